@@ -1,0 +1,217 @@
+"""The engine protocol: what the engine actor needs from an engine, with no NATS in sight.
+
+Two implementations: ``actors.engines.vllm_engine.VllmEngine`` (vLLM v1 AsyncLLM) and
+``actors.engines.mocker.MockerEngine`` (a simulated vLLM). The same structs travel on the wire
+(msgspec), so the engine actor forwards them without translation.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+import msgspec
+
+Role = Literal["agg", "prefill", "decode"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Constrained decoding, mapped onto vLLM's StructuredOutputsParams."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Per-request sampling. One completion per request (the frontend fans out ``n``).
+
+    ``stop`` strings are enforced by the frontend (it detokenizes); engines still accept them for
+    text-mode callers. ``extra`` carries any other vLLM SamplingParams field verbatim.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top logprobs per generated token (0 = only the sampled)
+    structured: StructuredOutput | None = None
+    detokenize: bool = True
+    extra: dict[str, Any] = {}
+
+
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """Logprob of one generated token and its top alternatives [(token_id, logprob), ...]."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
+class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One step of one request: the *new* tokens since the previous output (delta semantics)."""
+
+    token_ids: list[int] = []
+    text: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # final output of a prefill request
+
+
+# --- prompts ------------------------------------------------------------------------------------
+class TokensPrompt(msgspec.Struct, tag="tokens"):
+    token_ids: list[int]
+
+
+class TextPrompt(msgspec.Struct, tag="text"):
+    text: str
+
+
+class EmbedsPrompt(msgspec.Struct, tag="embeds"):
+    """Prompt embeddings [seq, hidden]; ``tensor`` is a torch.Tensor (never on the wire as is)."""
+
+    tensor: Any
+    num_tokens: int = 0
+
+
+Prompt = TokensPrompt | TextPrompt | EmbedsPrompt
+
+
+class LoraRef(msgspec.Struct, frozen=True):
+    name: str
+    int_id: int
+    path: str
+
+
+# --- facts and stats -----------------------------------------------------------------------------
+class ModelFacts(msgspec.Struct, kw_only=True):
+    served_model_name: str
+    model_path: str
+    tokenizer_path: str
+    max_model_len: int
+    block_size: int
+    total_kv_blocks: int
+    dp_size: int = 1
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    eos_token_ids: list[int] = []
+
+
+class EngineStats(msgspec.Struct, kw_only=True):
+    """Latest scheduler view, like vLLM's SchedulerStats (one per DP rank)."""
+
+    dp_rank: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0  # fraction 0..1
+    active_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    prefix_queries: int = 0  # cumulative tokens queried
+    prefix_hits: int = 0  # cumulative tokens hit
+    step: int = 0
+    ts: float = 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class KvEventSource(msgspec.Struct, kw_only=True):
+    """Where one DP rank publishes its KV events (vLLM's ZMQ wire format)."""
+
+    dp_rank: int
+    endpoint: str  # tcp://127.0.0.1:PORT to SUBscribe to
+    replay_endpoint: str | None
+    topic: str = "kv-events"
+
+
+class EngineDeadError(Exception):
+    """Raised by ``check_health``/``generate`` once the engine is dead."""
+
+
+class Engine(abc.ABC):
+    """An inference engine. All methods are coroutine-safe on one event loop."""
+
+    role: Role
+    facts: ModelFacts
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Build the engine; ``facts`` is valid afterwards."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None: ...
+
+    @abc.abstractmethod
+    def generate(self, prompt: Prompt, sampling: SamplingOptions, request_id: str,
+                 lora: LoraRef | None = None,
+                 kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[EngineOutput]:
+        """Stream delta outputs; the last one has ``finish_reason``. Raises EngineDeadError."""
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> None: ...
+
+    @abc.abstractmethod
+    async def sleep(self, level: int = 1) -> None: ...
+
+    @abc.abstractmethod
+    async def wake_up(self) -> None: ...
+
+    @abc.abstractmethod
+    async def is_sleeping(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def reset_prefix_cache(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def add_lora(self, lora: LoraRef) -> bool: ...
+
+    @abc.abstractmethod
+    async def remove_lora(self, lora: LoraRef) -> bool: ...
+
+    @abc.abstractmethod
+    async def list_loras(self) -> list[int]: ...
+
+    @abc.abstractmethod
+    async def check_health(self) -> None:
+        """Raise EngineDeadError if dead (passive, like vLLM's: liveness needs a real probe)."""
+
+    @property
+    @abc.abstractmethod
+    def dead(self) -> asyncio.Event:
+        """Set once the engine has died (the death signal)."""
+
+    @abc.abstractmethod
+    def stats(self) -> list[EngineStats]:
+        """Latest stats, one per DP rank."""
+
+    @abc.abstractmethod
+    def kv_event_sources(self) -> list[KvEventSource]:
+        """ZMQ KV-event endpoints, one per DP rank (empty when events are off, e.g. decode)."""
+
+
+async def stats_stream(engine: Engine, interval: float = 1.0) -> AsyncIterator[list[EngineStats]]:
+    """Stats as a stream: the latest per-rank stats every ``interval`` seconds until death."""
+    while not engine.dead.is_set():
+        yield engine.stats()
+        try:
+            await asyncio.wait_for(engine.dead.wait(), interval)
+        except TimeoutError:
+            pass

@@ -1,0 +1,156 @@
+"""Wire contract of a worker (engine actor and its control endpoints).
+
+Requests arrive as JSON (``nats req``, no headers) or msgpack (the frontend); both decode into the
+same Structs. Stream chunks are ``EngineOutput`` (actors.engines.protocol) plus usage on the last.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from actors.engines.protocol import EngineOutput, SamplingOptions
+
+
+class PrefillResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the prefill worker returned; the decode worker merges its kv_transfer_params."""
+
+    kv_transfer_params: dict[str, Any] | None = None
+    prefill_instance: str | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One completion. Exactly one of token_ids (token mode), prompt (text mode), prompt_embeds."""
+
+    request_id: str | None = None
+    token_ids: list[int] | None = None
+    prompt: str | None = None
+    prompt_embeds: str | None = None  # base64 of a torch.save'd 2-D tensor [seq, hidden]
+    sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    lora_name: str | None = None
+    prefill_result: PrefillResult | None = None  # decode role
+    kv_transfer_params: dict[str, Any] | None = None  # raw override (advanced)
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+class DisaggregatedParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+class GenerateChunk(EngineOutput, kw_only=True, omit_defaults=True):
+    """A stream chunk: an engine output, with usage (and disagg params) on the final one."""
+
+    index: int = 0
+    usage: Usage | None = None
+    disaggregated_params: DisaggregatedParams | None = None
+
+
+class CancelRequest(msgspec.Struct, kw_only=True):
+    request_id: str
+
+
+class SleepRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    level: int = 1
+    mode: Literal["drain", "abort"] = "drain"
+    drain_timeout: float | None = None
+
+
+class StatusReply(msgspec.Struct, kw_only=True):
+    """Reply of sleep / wake_up / clear_kv_blocks: ``status`` is "ok" or "error"."""
+
+    status: Literal["ok", "error"]
+    message: str
+
+
+class HealthReply(msgspec.Struct, kw_only=True):
+    status: Literal["healthy", "sleeping", "unhealthy", "starting"]
+    instance: str
+    role: str
+    model: str
+    uptime: float
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    message: str = ""
+
+
+class LoraSource(msgspec.Struct, kw_only=True):
+    uri: str
+
+
+class LoraLoadRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+    source: LoraSource
+
+
+class LoraUnloadRequest(msgspec.Struct, kw_only=True):
+    lora_name: str
+
+
+class LoraInfo(msgspec.Struct, kw_only=True):
+    lora_name: str
+    lora_id: int
+    path: str
+    uri: str
+
+
+class LoadReport(msgspec.Struct, kw_only=True):
+    """Published on ns.load.<instance> for the router and planner (msgpack)."""
+
+    instance: str
+    dp_rank: int = 0
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    active_kv_blocks: int
+    total_kv_blocks: int
+    prefix_hit_rate: float = 0.0
+    ts: float = 0.0
+
+
+class InstanceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Value in ns-instances: one key per live actor instance (JSON, read by `nats kv get`)."""
+
+    instance: str
+    kind: str  # "engine", "kv_publisher", "lora", "health", "frontend", "router", "echo", ...
+    role: str
+    model: str
+    host: str
+    pid: int
+    pool: str | None = None
+    generate_subject: str | None = None
+    block_size: int | None = None
+    dp_size: int = 1
+    status: str = "ready"
+    started_at: float = 0.0
+
+
+class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Value in ns-models (key: ``<served name>.<pool>``)."""
+
+    served_model_name: str
+    pool: str
+    role: str
+    model_path: str
+    tokenizer_path: str
+    context_length: int
+    kv_block_size: int
+    total_kv_blocks: int
+    dp_size: int = 1
+    migration_limit: int = 3
+    chat_template: str | None = None
+
+
+def output_to_chunk(out: EngineOutput, index: int = 0) -> GenerateChunk:
+    return GenerateChunk(token_ids=out.token_ids, text=out.text, logprobs=out.logprobs,
+                         finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                         num_prompt_tokens=out.num_prompt_tokens, cached_tokens=out.cached_tokens,
+                         kv_transfer_params=out.kv_transfer_params, index=index)

@@ -1,0 +1,62 @@
+"""Payload codec: JSON or msgpack, chosen by the Content-Type header.
+
+A message without Content-Type is JSON, which is what ``nats req`` sends. Hot paths (token streams,
+KV events) use msgpack; control, registry and $SRV subjects use JSON so the CLI can read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+
+from bus import subjects as S
+from bus.errors import BadRequest
+
+T = TypeVar("T")
+
+_json_enc = msgspec.json.Encoder()
+_mp_enc = msgspec.msgpack.Encoder()
+_json_dec = msgspec.json.Decoder()
+_mp_dec = msgspec.msgpack.Decoder()
+
+JSON_HEADERS = {S.CONTENT_TYPE: S.CT_JSON}
+MSGPACK_HEADERS = {S.CONTENT_TYPE: S.CT_MSGPACK}
+
+
+def is_msgpack(headers: Mapping[str, str] | None) -> bool:
+    return bool(headers) and headers.get(S.CONTENT_TYPE) == S.CT_MSGPACK  # type: ignore[union-attr]
+
+
+def encode(obj: Any, msgpack: bool = False) -> bytes:
+    return _mp_enc.encode(obj) if msgpack else _json_enc.encode(obj)
+
+
+def headers_for(msgpack: bool) -> dict[str, str]:
+    return dict(MSGPACK_HEADERS if msgpack else JSON_HEADERS)
+
+
+def decode(data: bytes, headers: Mapping[str, str] | None = None, type: type[T] | None = None) -> T | Any:
+    """Decode by Content-Type (default JSON). Empty JSON payload decodes to an empty object.
+
+    Raises BadRequest with a message naming the offending field, so every actor turns malformed
+    input into a typed 400 instead of crashing.
+    """
+    mp = is_msgpack(headers)
+    if not data and not mp:
+        data = b"{}"
+    try:
+        if type is None:
+            return _mp_dec.decode(data) if mp else _json_dec.decode(data)
+        if mp:
+            return msgspec.msgpack.decode(data, type=type)
+        return msgspec.json.decode(data, type=type)
+    except msgspec.ValidationError as e:
+        raise BadRequest(f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: {e}") from None
+
+
+def to_builtins(obj: Any) -> Any:
+    return msgspec.to_builtins(obj)

@@ -1,0 +1,112 @@
+"""Every NATS subject, KV bucket and header name the project uses is spelled here, and only here.
+
+Subjects are built from the topology's namespace ``ns`` so two deployments can share one NATS.
+Nothing else in the code base concatenates subject strings.
+"""
+
+from __future__ import annotations
+
+import re
+
+# --- headers ------------------------------------------------------------------------------------
+CONTENT_TYPE = "Content-Type"
+CT_JSON = "application/json"
+CT_MSGPACK = "application/msgpack"
+REQUEST_ID = "Request-Id"
+SEQ = "Seq"
+# Marks stream control messages: "eos" (end of stream), "hb" (heartbeat).
+STREAM_CONTROL = "Stream-Control"
+EOS = "eos"
+HEARTBEAT = "hb"
+# Subject the caller listens on for a worker's cancellation; the worker sends its cancel subject here.
+CANCEL_SUBJECT = "Cancel-Subject"
+SERVICE_ERROR = "Nats-Service-Error"
+SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
+# Which instance produced a response (for routing visibility).
+INSTANCE_ID = "Instance-Id"
+# Stall bound the caller will apply; the worker heartbeats at a fraction of it.
+STALL_TIMEOUT = "Stall-Timeout"
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+def check_token(part: str) -> str:
+    """A subject token: no dots, spaces or wildcards (they would change the subject's meaning)."""
+    if not _TOKEN.match(part):
+        raise ValueError(f"invalid subject token {part!r}: use letters, digits, '_' and '-'")
+    return part
+
+
+class Subjects:
+    """Subjects of one namespace."""
+
+    def __init__(self, namespace: str) -> None:
+        self.ns = check_token(namespace)
+
+    # generate: queue group for the pool, and a routed subject per instance
+    def generate(self, pool: str) -> str:
+        return f"{self.ns}.{check_token(pool)}.generate"
+
+    def generate_instance(self, pool: str, instance: str) -> str:
+        return f"{self.ns}.{check_token(pool)}.generate.{check_token(instance)}"
+
+    # worker control
+    def worker(self, instance: str, verb: str) -> str:
+        return f"{self.ns}.worker.{check_token(instance)}.{verb}"
+
+    def worker_cancel(self, instance: str) -> str:
+        return self.worker(instance, "cancel")
+
+    # KV events and index
+    def kv_events(self, instance: str) -> str:
+        return f"{self.ns}.kv.events.{check_token(instance)}"
+
+    def kv_events_all(self) -> str:
+        return f"{self.ns}.kv.events.*"
+
+    def kv_index(self, instance: str, verb: str) -> str:
+        return f"{self.ns}.kv.index.{check_token(instance)}.{verb}"
+
+    # load reports
+    def load(self, instance: str) -> str:
+        return f"{self.ns}.load.{check_token(instance)}"
+
+    def load_all(self) -> str:
+        return f"{self.ns}.load.*"
+
+    # supervisors
+    def supervisor(self, host: str, verb: str) -> str:
+        return f"{self.ns}.supervisor.{check_token(host)}.{verb}"
+
+    def supervisor_node(self, host: str, node: str, verb: str) -> str:
+        """A nested supervisor (e.g. a worker's own supervisor) under a host."""
+        return f"{self.ns}.supervisor.{check_token(host)}.{check_token(node)}.{verb}"
+
+    # router service
+    def router(self, verb: str) -> str:
+        return f"{self.ns}.router.{verb}"
+
+    # planner
+    def planner(self, verb: str) -> str:
+        return f"{self.ns}.planner.{verb}"
+
+    # example actor
+    def echo(self, verb: str) -> str:
+        return f"{self.ns}.echo.{verb}"
+
+    # JetStream KV buckets (bucket names cannot contain dots)
+    @property
+    def bucket_instances(self) -> str:
+        return f"{self.ns}-instances"
+
+    @property
+    def bucket_models(self) -> str:
+        return f"{self.ns}-models"
+
+    @property
+    def bucket_loras(self) -> str:
+        return f"{self.ns}-loras"
+
+
+def inbox_prefix(namespace: str) -> str:
+    return f"_INBOX.{check_token(namespace)}"

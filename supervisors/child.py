@@ -1,0 +1,46 @@
+"""What a supervisor supervises: ChildSpec and the Child protocol.
+
+A child is anything with start/wait/stop: an in-process actor (actors.base.Actor), an OS process
+(supervisors.process.ProcessChild), or a nested Supervisor. The supervisor never looks inside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+Restart = Literal["permanent", "transient", "temporary"]
+
+
+@runtime_checkable
+class Child(Protocol):
+    name: str
+
+    async def start(self) -> None:
+        """Return once the child is up (ready to serve); raise if it cannot start."""
+
+    async def wait(self) -> None:
+        """Return when the child exits normally; raise (the reason) when it crashes."""
+
+    async def stop(self, timeout: float | None) -> None:
+        """Stop gracefully within ``timeout`` seconds; ``None`` means brutal kill at once."""
+
+
+@dataclass
+class ChildSpec:
+    """OTP child spec.
+
+    restart: permanent = always restarted; transient = restarted only after an abnormal exit;
+    temporary = never restarted. shutdown: seconds allowed for a graceful stop, or "brutal_kill".
+    """
+
+    id: str
+    start: Callable[[], Child]
+    restart: Restart = "permanent"
+    shutdown: float | Literal["brutal_kill"] = 10.0
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def shutdown_timeout(self) -> float | None:
+        return None if self.shutdown == "brutal_kill" else float(self.shutdown)

@@ -1,0 +1,168 @@
+"""Topology file schema (TOML). The loader is ``supervisors.topology_loader``.
+
+Structs forbid unknown fields so a typo is an error naming the key path, not a silent default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+Strategy = Literal["one_for_one", "one_for_all", "rest_for_one"]
+
+
+class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class BusAuth(_Strict):
+    token: str | None = None
+    user: str | None = None
+    password: str | None = None
+    nkey_seed: str | None = None  # path to an nkey seed file
+    creds: str | None = None  # path to a .creds file
+
+
+class BusTLS(_Strict):
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    hostname: str | None = None
+
+
+class BusConfig(_Strict):
+    """``url`` empty → the root supervisor embeds a nats-server on 127.0.0.1:``port``."""
+
+    url: str | None = None
+    port: int = 4222
+    store_dir: str | None = None  # JetStream store of the embedded server (default under run dir)
+    auth: BusAuth = msgspec.field(default_factory=BusAuth)
+    tls: BusTLS | None = None
+
+
+class ModelConfig(_Strict):
+    name: str  # served model name
+    path: str  # local dir or HF id; "tiny" means the locally built tiny model
+    tokenizer: str | None = None  # defaults to path
+    chat_template: str | None = None  # file overriding the model's template
+    migration_limit: int = 3
+    context_length: int | None = None  # defaults to the engine's max_model_len
+    allow_decode_only: bool = True  # disagg: fall back to decode-only when no prefill worker
+
+
+class BackoffConfig(_Strict):
+    initial: float = 0.5
+    max: float = 30.0
+    multiplier: float = 2.0
+    jitter: float = 0.2
+
+
+class SupervisorConfig(_Strict):
+    strategy: Strategy = "one_for_one"
+    intensity: int = 5  # restarts allowed ...
+    period: float = 60.0  # ... within this many seconds
+    backoff: BackoffConfig = msgspec.field(default_factory=BackoffConfig)
+    shutdown_timeout: float = 30.0
+    drain_timeout: float = 10.0
+
+
+class FrontendConfig(_Strict):
+    enabled: bool = True
+    http: str = "127.0.0.1:8000"
+    router: Literal["round_robin", "random", "direct", "kv"] = "round_robin"
+    host: str = "local"
+    api_key: str | None = None
+    max_body_bytes: int = 8 << 20
+    router_temperature: float = 0.0
+    prefill_load_scale: float = 1.0
+    busy_threshold: float | None = None  # KV usage fraction above which a worker is skipped
+    stall_timeout: float = 10.0
+
+
+class HealthConfig(_Strict):
+    interval: float = 2.0
+    timeout: float = 30.0
+    canary_after_idle: float | None = None  # seconds idle before a one-token canary (off: None)
+
+
+class SleepConfig(_Strict):
+    idle_timeout: float | None = None  # auto-sleep after this many idle seconds
+    level: int = 1
+    deeper_after: float | None = None  # escalate to level 2 after this many more seconds
+    drain_timeout: float = 10.0
+
+
+class LoraConfig(_Strict):
+    roots: list[str] = []  # file:// adapters must live under one of these
+    cache_dir: str | None = None  # where http(s) adapters are downloaded
+    identity_adapter: bool | None = None  # route base rows through a zero adapter (CPU mixed-batch bug)
+
+
+class CheckpointConfig(_Strict):
+    control_dir: str | None = None
+    poll_interval: float = 0.5
+
+
+class PoolConfig(_Strict):
+    role: Literal["agg", "prefill", "decode"] = "agg"
+    engine: Literal["vllm", "mocker"] = "vllm"
+    replicas: int = 1
+    host: str = "local"
+    engine_args: dict[str, Any] = {}  # vLLM AsyncEngineArgs (validated by vLLM) or mocker args
+    env: dict[str, str] = {}
+    status_port: int | None = None  # first worker's /health port; replicas add 1 each
+    max_waiting: int | None = None  # admission guard: reject when the waiting queue reaches this
+    prompt_embeds: bool = False
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    sleep: SleepConfig = msgspec.field(default_factory=SleepConfig)
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    supervisor: SupervisorConfig = msgspec.field(
+        default_factory=lambda: SupervisorConfig(strategy="rest_for_one"))
+
+
+class PlannerConfig(_Strict):
+    enabled: bool = False
+    host: str = "local"
+    interval: float = 10.0
+    ttft_target_ms: float | None = None
+    itl_target_ms: float | None = None
+    min_replicas: int = 1
+    max_replicas: int = 4
+
+
+class SystemdConfig(_Strict):
+    user: str | None = None
+    working_directory: str | None = None
+    environment_file: str | None = None
+    watchdog_sec: int = 60
+    restart_sec: int = 5
+    start_limit_interval_sec: int = 300
+    start_limit_burst: int = 5
+    timeout_stop_sec: int = 90
+    python: str | None = None  # interpreter for ExecStart (default: the one running --emit-systemd)
+
+
+class Topology(_Strict):
+    namespace: str = "dynamo"
+    model: ModelConfig | None = None  # none: a bus-only deployment (e.g. the echo example)
+    bus: BusConfig = msgspec.field(default_factory=BusConfig)
+    frontend: FrontendConfig = msgspec.field(default_factory=FrontendConfig)
+    pools: dict[str, PoolConfig] = {}
+    planner: PlannerConfig = msgspec.field(default_factory=PlannerConfig)
+    supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    systemd: SystemdConfig = msgspec.field(default_factory=SystemdConfig)
+    run_dir: str | None = None  # logs, store dir, sockets (default ~/.cache/vllm-actors/run/<ns>)
+    echo: bool = False  # start the echo example actor
+    echo_host: str = "local"  # which host's supervisor runs it
+
+    def hosts(self) -> list[str]:
+        names = {p.host for p in self.pools.values()}
+        if self.frontend.enabled:
+            names.add(self.frontend.host)
+        if self.planner.enabled:
+            names.add(self.planner.host)
+        if self.echo:
+            names.add(self.echo_host)
+        return sorted(names) or ["local"]
