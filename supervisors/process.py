@@ -1,0 +1,208 @@
+"""ProcessChild: a Child that is an OS process (a worker is one OS process).
+
+Readiness uses the sd_notify protocol: the parent binds a unix datagram socket in the abstract
+namespace, passes it as NOTIFY_SOCKET, and start() returns when the child sends READY=1 (the child
+uses supervisors.sdnotify.Notifier, exactly as it would under systemd). STATUS lines are logged.
+
+The process runs in its own session/process group so stop() can signal the whole group (vLLM spawns
+helper processes), and it gets PR_SET_PDEATHSIG=SIGKILL so it dies with the supervisor instead of
+becoming an orphan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from bus.errors import FatalError
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ProcessExited(FatalError):
+    """The process exited abnormally; ``returncode`` is negative for a signal (as in subprocess)."""
+
+    def __init__(self, message: str, returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
+def exit_reason(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """preexec_fn (runs in the child between fork and exec): SIGKILL when the parent dies."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except Exception:  # non-Linux: the stop() path still cleans up
+        return
+    # the parent may have died before prctl took effect
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+class ProcessChild:
+    """Run ``argv`` as a supervised OS process."""
+
+    def __init__(self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+                 inherit_env: bool = True, cwd: str | None = None, log_file: str | None = None,
+                 ready: Literal["notify", "spawn"] = "notify", ready_timeout: float = 120.0) -> None:
+        if not argv:
+            raise ValueError("ProcessChild needs a non-empty argv")
+        self.name = name
+        self.argv = list(argv)
+        self.env = dict(env or {})
+        self.inherit_env = inherit_env
+        self.cwd = cwd
+        self.log_file = log_file
+        self.ready = ready
+        self.ready_timeout = ready_timeout
+        self.proc: asyncio.subprocess.Process | None = None
+        self.status: str | None = None  # last STATUS= line the child sent
+        self._sock: socket.socket | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+        self._stop_requested = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc is not None else None
+
+    async def start(self) -> None:
+        if self.proc is not None:
+            raise RuntimeError(f"process child {self.name} already started")
+        env = dict(os.environ) if self.inherit_env else {}
+        env.update(self.env)
+        env.pop("WATCHDOG_USEC", None)  # systemd's watchdog is ours, not the child's
+        env.pop("WATCHDOG_PID", None)
+        if self.ready == "notify":
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+            name = f"vllm-actors/{os.getpid()}/{uuid.uuid4().hex}"
+            self._sock.bind(b"\0" + name.encode())
+            self._sock.setblocking(False)
+            env["NOTIFY_SOCKET"] = "@" + name
+        else:
+            env.pop("NOTIFY_SOCKET", None)
+        out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115 (closed below)
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv, env=env, cwd=self.cwd, stdin=asyncio.subprocess.DEVNULL,
+                stdout=out, stderr=asyncio.subprocess.STDOUT if out else None,
+                start_new_session=True, preexec_fn=lambda p=os.getpid(): _die_with_parent(p))
+        except Exception:
+            self._close_sock()
+            raise
+        finally:
+            if out is not None:
+                out.close()  # the child holds its own descriptor
+        log.info("process %s started: pid %d: %s", self.name, self.proc.pid, " ".join(self.argv))
+        if self._sock is None:
+            return
+        self._reader = asyncio.create_task(self._read_notify(), name=f"notify:{self.name}")
+        exited = asyncio.create_task(self.proc.wait())
+        ready = asyncio.create_task(self._ready.wait())
+        try:
+            done, _ = await asyncio.wait({exited, ready}, timeout=self.ready_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+            ready.cancel()
+        if ready in done and self._ready.is_set():
+            log.info("process %s (pid %d) ready", self.name, self.proc.pid)
+            return
+        if self.proc.returncode is not None:
+            await self._cleanup()
+            raise ProcessExited(f"process {self.name} {exit_reason(self.proc.returncode)} before "
+                                f"ready", self.proc.returncode)
+        await self.stop(None)
+        raise TimeoutError(f"process {self.name} not ready within {self.ready_timeout:g}s")
+
+    async def _read_notify(self) -> None:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            data = await loop.sock_recv(self._sock, 4096)
+            for line in data.decode(errors="replace").splitlines():
+                key, _, value = line.partition("=")
+                if key == "READY" and value == "1":
+                    self._ready.set()
+                elif key == "STATUS":
+                    self.status = value
+                    log.info("process %s: %s", self.name, value)
+                elif key == "STOPPING" and value == "1":
+                    log.info("process %s is stopping", self.name)
+
+    async def wait(self) -> None:
+        if self.proc is None:
+            raise RuntimeError(f"process child {self.name} not started")
+        rc = await self.proc.wait()
+        self._signal_group(signal.SIGKILL)  # no helper of a dead leader may linger
+        await self._cleanup()
+        if rc != 0 and not self._stop_requested:
+            raise ProcessExited(f"process {self.name} (pid {self.proc.pid}) {exit_reason(rc)}", rc)
+
+    async def stop(self, timeout: float | None) -> None:
+        """SIGTERM the process group, SIGKILL after ``timeout`` (at once when None)."""
+        self._stop_requested = True
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            if timeout is None or timeout <= 0:
+                self._signal_group(signal.SIGKILL)
+            else:
+                self._signal_group(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout)
+                except TimeoutError:
+                    log.warning("process %s (pid %d) ignored SIGTERM for %.1fs; SIGKILL",
+                                self.name, self.proc.pid, timeout)
+                    self._signal_group(signal.SIGKILL)
+            await self.proc.wait()
+        # helpers the leader spawned may outlive it: the group must go too
+        self._signal_group(signal.SIGKILL)
+        await self._cleanup()
+        log.info("process %s (pid %d) stopped: %s", self.name, self.proc.pid,
+                 exit_reason(self.proc.returncode or 0))
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            if self.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(sig)
+
+    async def _cleanup(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._reader
+            self._reader = None
+        self._close_sock()
+
+    def _close_sock(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None

@@ -1,0 +1,198 @@
+"""A Supervisor as a NATS micro service: ``children``, ``restart``, ``spawn``, ``stop``, ``escalate``.
+
+JSON in, JSON out, no headers needed, so an operator can drive it with plain ``nats req``::
+
+    nats req dynamo.supervisor.local.children ''
+    nats req dynamo.supervisor.local.restart '{"id": "worker-0"}'
+    nats req dynamo.supervisor.local.spawn '{"id": "w3", "argv": ["python", "-m", "..."]}'
+
+Logic stays in ``Supervisor``; this module only decodes, calls and replies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import msgspec
+from nats.aio.msg import Msg
+
+from bus import codec
+from bus.context import BusContext
+from bus.errors import ActorError, BadRequest, Conflict, NotFound
+from bus.micro import EndpointSpec, ServiceHandle, add_service
+from bus.rpc import respond
+from supervisors.child import ChildSpec, Restart
+from supervisors.process import ProcessChild
+from supervisors.supervisor import Supervisor, describe
+
+log = logging.getLogger(__name__)
+
+VERBS = ("children", "restart", "spawn", "stop", "escalate")
+
+
+class _Req(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ChildRef(_Req):
+    id: str
+    wait: bool = True  # reply once the child is up again; False: reply at once ("accepted")
+
+
+class StopRequest(_Req):
+    id: str
+    remove: bool = False
+
+
+class EscalateRequest(_Req):
+    reason: str
+    child: str | None = None
+
+
+class SpawnRequest(_Req):
+    """An OS-process child; readiness by sd_notify READY=1 unless ``ready`` is "spawn"."""
+
+    id: str
+    argv: list[str]
+    env: dict[str, str] = {}
+    cwd: str | None = None
+    restart: Restart = "permanent"
+    shutdown: float | Literal["brutal_kill"] = 10.0
+    ready: Literal["notify", "spawn"] = "notify"
+    ready_timeout: float = 120.0
+    meta: dict[str, str] = {}
+    wait: bool = True
+
+
+class SupervisorService:
+    """Serves one Supervisor on ``Subjects.supervisor(host, verb)`` (or ``supervisor_node`` when
+    ``node`` is given, for a supervisor nested under the host's root)."""
+
+    def __init__(self, ctx: BusContext, supervisor: Supervisor, *, node: str | None = None,
+                 log_dir: str | None = None, base_env: Mapping[str, str] | None = None,
+                 allowed_commands: Sequence[str] | None = None, version: str = "0.1.0") -> None:
+        self.ctx = ctx
+        self.sup = supervisor
+        self.node = node
+        self.log_dir = log_dir
+        self.base_env = dict(base_env or {})
+        # spawn runs commands sent over the bus: NATS auth is the boundary, this list a second one
+        self.allowed_commands = list(allowed_commands) if allowed_commands is not None else None
+        self.version = version
+        self.handle: ServiceHandle | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def subject(self, verb: str) -> str:
+        s = self.ctx.subjects
+        if self.node is None:
+            return s.supervisor(self.ctx.host, verb)
+        return s.supervisor_node(self.ctx.host, self.node, verb)
+
+    async def start(self) -> None:
+        handlers: dict[str, Callable[[Msg], Awaitable[None]]] = {
+            "children": self._children, "restart": self._restart, "spawn": self._spawn,
+            "stop": self._stop, "escalate": self._escalate}
+        endpoints = [EndpointSpec(name=v, subject=self.subject(v), handler=handlers[v]) for v in VERBS]
+        meta = {"host": self.ctx.host, "namespace": self.ctx.namespace, "supervisor": self.sup.name,
+                "strategy": self.sup.strategy, **({"node": self.node} if self.node else {})}
+        self.handle = await add_service(
+            self.ctx.nc, name="supervisor", version=self.version,
+            description=f"supervisor {self.sup.name} on {self.ctx.host}", metadata=meta,
+            endpoints=endpoints, stats=self._stats)
+        log.info("supervisor %s serving on %s", self.sup.name, self.subject("*"))
+
+    async def stop(self) -> None:
+        if self.handle is not None:
+            await self.handle.stop(timeout=2.0)
+            self.handle = None
+        for t in list(self._background):
+            t.cancel()
+
+    def _stats(self) -> dict[str, Any]:
+        kids = self.sup.children()
+        return {"children": len(kids), "running": sum(c["state"] == "running" for c in kids),
+                "restarts": sum(c["restarts"] for c in kids)}
+
+    def _view(self) -> dict[str, Any]:
+        return {"supervisor": self.sup.name, "host": self.ctx.host, "strategy": self.sup.strategy,
+                "running": self.sup.running, "children": self.sup.children()}
+
+    def _child_view(self, child_id: str) -> dict[str, Any] | None:
+        try:
+            return self.sup.child(child_id)
+        except NotFound:  # temporary or removed
+            return None
+
+    async def _run(self, coro: Awaitable[None], wait: bool, what: str) -> None:
+        """Await ``coro`` (errors become replies) or run it in the background (errors logged)."""
+        if wait:
+            try:
+                await coro
+            except ActorError:
+                raise
+            except Exception as e:  # a child's own start error: report it, not as an internal bug
+                raise ActorError(f"{what} failed: {describe(e)}") from e
+            return
+
+        async def bg() -> None:
+            try:
+                await coro
+            except Exception as e:
+                log.warning("supervisor %s: %s failed: %s", self.sup.name, what, describe(e))
+        task = asyncio.create_task(bg())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- endpoints ---------------------------------------------------------------------------------
+    async def _children(self, msg: Msg) -> None:
+        await respond(msg, self._view())
+
+    async def _restart(self, msg: Msg) -> None:
+        req = codec.decode(msg.data, msg.headers, type=ChildRef)
+        self.sup.child(req.id)  # NotFound now, even when not waiting
+        await self._run(self.sup.restart_child(req.id), req.wait, f"restart of {req.id}")
+        await respond(msg, {"status": "ok" if req.wait else "accepted",
+                            "child": self._child_view(req.id)})
+
+    async def _spawn(self, msg: Msg) -> None:
+        req = codec.decode(msg.data, msg.headers, type=SpawnRequest)
+        if not req.argv:
+            raise BadRequest("spawn: argv must not be empty")
+        if self.allowed_commands is not None and req.argv[0] not in self.allowed_commands:
+            raise BadRequest(f"spawn: command {req.argv[0]!r} is not allowed here")
+        if req.shutdown != "brutal_kill" and req.shutdown < 0:
+            raise BadRequest("spawn: shutdown must be >= 0 or \"brutal_kill\"")
+        if self._child_view(req.id) is not None:
+            raise Conflict(f"supervisor {self.sup.name} already has a child {req.id!r}")
+        log_file = os.path.join(self.log_dir, f"{req.id}.log") if self.log_dir else None
+        env = {**self.base_env, **req.env}
+
+        def make() -> ProcessChild:
+            return ProcessChild(req.id, req.argv, env=env, cwd=req.cwd, log_file=log_file,
+                                ready=req.ready, ready_timeout=req.ready_timeout)
+        spec = ChildSpec(id=req.id, start=make, restart=req.restart, shutdown=req.shutdown,
+                         meta={**req.meta, "argv": " ".join(req.argv)})
+        await self._run(self.sup.spawn(spec), req.wait, f"spawn of {req.id}")
+        await respond(msg, {"status": "ok" if req.wait else "accepted",
+                            "child": self._child_view(req.id)})
+
+    async def _stop(self, msg: Msg) -> None:
+        req = codec.decode(msg.data, msg.headers, type=StopRequest)
+        await self.sup.stop_child(req.id, remove=req.remove)
+        await respond(msg, {"status": "ok", "child": self._child_view(req.id)})
+
+    async def _escalate(self, msg: Msg) -> None:
+        req = codec.decode(msg.data, msg.headers, type=EscalateRequest)
+        await self.sup.escalate(req.reason, child=req.child)
+        await respond(msg, {"status": "accepted"})
+
+
+async def serve_supervisor(ctx: BusContext, supervisor: Supervisor, **kw: Any) -> SupervisorService:
+    """Start serving ``supervisor``; call ``stop()`` on the result before stopping the supervisor."""
+    svc = SupervisorService(ctx, supervisor, **kw)
+    await svc.start()
+    return svc

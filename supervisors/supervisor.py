@@ -1,0 +1,469 @@
+"""OTP-style supervisor: restart strategies, intensity/period, backoff, escalation.
+
+A Supervisor is itself a Child (start/wait/stop), so trees nest: when a supervisor gives up, its
+``wait()`` raises ``Escalation`` and its parent treats that like any other crash.
+
+All state changes happen in one loop task (``_run``): child exits and operator commands are queued
+events handled one at a time, so strategies never race with each other. Starting a child blocks the
+loop (as in OTP, a supervisor starts one child at a time and in order); backoff does *not* block it:
+a child waiting out its backoff is a slot with a deadline, and other events are handled meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from bus.errors import Conflict, Escalation, NotFound, Unavailable
+from supervisors.backoff import Backoff
+from supervisors.child import Child, ChildSpec
+
+log = logging.getLogger(__name__)
+
+Strategy = Literal["one_for_one", "one_for_all", "rest_for_one"]
+STRATEGIES = ("one_for_one", "one_for_all", "rest_for_one")
+# Extra time given to a child's own stop(timeout) before it is killed outright.
+_STOP_GRACE = 1.0
+
+
+def describe(exc: BaseException | None) -> str:
+    if exc is None:
+        return "normal"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@dataclass(eq=False)
+class _Slot:
+    spec: ChildSpec
+    state: str = "stopped"  # starting | running | restarting (waiting out its backoff) | stopped
+    child: Child | None = None
+    monitor: asyncio.Task[None] | None = None
+    gen: int = 0  # bumps on every start; exit events of an older generation are stale
+    deadline: float = 0.0  # monotonic time the next start is due (state restarting)
+    attempt: int = 0  # consecutive crashes, drives the backoff
+    restarts: int = 0
+    started_at: float | None = None  # wall clock, for operators
+    started_mono: float | None = None
+    last_exit_reason: str | None = None
+    waiters: list[asyncio.Future[None]] = field(default_factory=list)
+
+    def resolve(self, exc: BaseException | None) -> None:
+        for w in self.waiters:
+            if not w.done():
+                w.set_result(None) if exc is None else w.set_exception(exc)
+        self.waiters.clear()
+
+
+class Supervisor:
+    """Supervises children (in-process actors, OS processes, nested supervisors)."""
+
+    def __init__(self, name: str, children: list[ChildSpec], strategy: Strategy = "one_for_one",
+                 intensity: int = 5, period: float = 60.0, backoff: Any = None,
+                 on_status: Callable[[str], None] | None = None) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
+        ids = [s.id for s in children]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate child ids in supervisor {name}: {ids}")
+        self.name = name
+        self.strategy: Strategy = strategy
+        self.intensity = intensity
+        self.period = period
+        self.backoff = Backoff.of(backoff)
+        self.on_status = on_status
+        self._slots: list[_Slot] = [_Slot(spec) for spec in children]
+        self._restart_times: deque[float] = deque()
+        self._events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._up: asyncio.Future[None] | None = None
+        self._failure: BaseException | None = None
+        self._stopping = False
+        self._done = asyncio.Event()
+
+    # --- Child protocol ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start every child in order; return once all are up. A child that fails to start counts
+        as a crash (restarted per its spec); raise Escalation when the intensity is exceeded."""
+        if self._loop_task is not None:
+            raise RuntimeError(f"supervisor {self.name} already started")
+        self._up = asyncio.get_running_loop().create_future()
+        now = time.monotonic()
+        for s in self._slots:
+            s.state, s.deadline = "restarting", now
+        self._status(f"{self.name}: starting {len(self._slots)} children")
+        self._loop_task = asyncio.create_task(self._run(), name=f"supervisor:{self.name}")
+        try:
+            await asyncio.wait({self._up, self._loop_task}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            await self.stop(None)
+            raise
+        if not self._up.done():
+            # the loop ended: escalation (it has stopped the children) or a concurrent stop()
+            await self._done.wait()
+            raise self._failure or Unavailable(f"supervisor {self.name} stopped while starting")
+        self._status(f"{self.name}: all {len(self._slots)} children up")
+
+    async def wait(self) -> None:
+        await self._done.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    async def stop(self, timeout: float | None = None) -> None:
+        """Stop children in reverse start order, each within its spec's shutdown timeout (and the
+        whole within ``timeout``; ``None`` kills everything at once)."""
+        if self._stopping:
+            await self._done.wait()
+            return
+        self._stopping = True
+        self._status(f"{self.name}: stopping")
+        if self._loop_task is not None and not self._loop_task.done():
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        await self._stop_all(timeout)
+        self._finish()
+
+    # --- runtime API (operators, planner, service.py) -------------------------------------------
+    def children(self) -> list[dict[str, Any]]:
+        out = []
+        for s in self._slots:
+            pid = getattr(s.child, "pid", None) if s.child is not None else None
+            out.append({"id": s.spec.id, "state": s.state, "restart": s.spec.restart,
+                        "restarts": s.restarts, "pid": pid, "started_at": s.started_at,
+                        "last_exit_reason": s.last_exit_reason,
+                        **({"meta": s.spec.meta} if s.spec.meta else {}),
+                        **({"children": s.child.children()} if isinstance(s.child, Supervisor)
+                           else {})})
+        return out
+
+    def child(self, child_id: str) -> dict[str, Any]:
+        """One entry of children(); NotFound when there is no such child."""
+        self._find(child_id)
+        return next(c for c in self.children() if c["id"] == child_id)
+
+    @property
+    def running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    async def restart_child(self, child_id: str) -> None:
+        """Operator restart: stop the child (and, per strategy, its dependants) and start it again
+        at once. Not counted against the intensity. Returns once it and its restarted dependants
+        are running again (raises the first start error otherwise)."""
+        waiters = await self._call(lambda: self._cmd_restart(child_id))
+        results = await asyncio.gather(*waiters, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+
+    async def spawn(self, spec: ChildSpec) -> None:
+        """Add a child at the end of the start order and start it; return once it is up, raise
+        the start error if its first start fails (it is then restarted per its spec)."""
+        waiter = await self._call(lambda: self._cmd_spawn(spec))
+        await waiter
+
+    async def stop_child(self, child_id: str, remove: bool = False) -> None:
+        """Terminate a child; it stays listed as stopped (restart_child revives it) unless
+        ``remove`` or the child is temporary."""
+        await self._call(lambda: self._cmd_stop(child_id, remove))
+
+    async def escalate(self, reason: str, child: str | None = None) -> None:
+        """With ``child``: treat it as crashed (restarted per strategy, counted, with backoff).
+        Without: this supervisor gives up and fails to its parent. Returns once queued, so that a
+        child may call it even when the handling will stop that very child."""
+        if not self.running:
+            raise Unavailable(f"supervisor {self.name} is not running")
+        if child is not None:
+            self._find(child)
+        self._events.put_nowait(("escalate", child, reason))
+
+    # --- the loop --------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            while self._failure is None:
+                while not self._events.empty() and self._failure is None:
+                    await self._handle(self._events.get_nowait())
+                if self._failure is not None:
+                    break
+                now = time.monotonic()
+                due = next((s for s in self._slots if s.state == "restarting" and s.deadline <= now),
+                           None)
+                if due is not None:
+                    await self._start_slot(due)
+                    continue
+                if (self._up is not None and not self._up.done()
+                        and not any(s.state == "restarting" for s in self._slots)):
+                    self._up.set_result(None)
+                pending = [s.deadline for s in self._slots if s.state == "restarting"]
+                timeout = max(0.0, min(pending) - now) if pending else None
+                try:
+                    ev = await asyncio.wait_for(self._events.get(), timeout)
+                except TimeoutError:
+                    continue
+                await self._handle(ev)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug here must not leave children unsupervised silently
+            log.exception("supervisor %s: internal error", self.name)
+            self._failure = Escalation(f"supervisor {self.name} internal error: {describe(e)}")
+        # gave up: stop everything and fail to the parent
+        log.error("supervisor %s gives up: %s", self.name, self._failure)
+        self._status(f"{self.name}: failed: {self._failure}")
+        await self._stop_all(None if self._stopping else _giveup_timeout(self._slots))
+        self._finish()
+
+    async def _handle(self, ev: tuple[Any, ...]) -> None:
+        kind = ev[0]
+        if kind == "exit":
+            _, slot, gen, exc = ev
+            if slot.gen != gen or slot.state != "running" or slot not in self._slots:
+                return  # stale: the child was stopped or restarted meanwhile
+            slot.child, slot.monitor = None, None
+            await self._crashed(slot, exc)
+        elif kind == "escalate":
+            _, child_id, reason = ev
+            if child_id is None:
+                self._failure = Escalation(f"supervisor {self.name}: escalated: {reason}")
+                return
+            slot = next((s for s in self._slots if s.spec.id == child_id), None)
+            if slot is None or slot.state != "running":
+                log.warning("supervisor %s: escalate for %s ignored (not running)", self.name, child_id)
+                return
+            log.warning("supervisor %s: %s escalated: %s", self.name, child_id, reason)
+            await self._stop_slot(slot)
+            await self._crashed(slot, Escalation(reason))
+        elif kind == "cmd":
+            _, fn, fut = ev
+            try:
+                res = await fn()
+            except asyncio.CancelledError:
+                if not fut.done():
+                    fut.set_exception(Unavailable(f"supervisor {self.name} stopped"))
+                raise
+            except Exception as e:
+                if not fut.done():
+                    fut.set_exception(e)
+            else:
+                if not fut.done():
+                    fut.set_result(res)
+
+    async def _call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+        if not self.running:
+            raise Unavailable(f"supervisor {self.name} is not running")
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._events.put_nowait(("cmd", fn, fut))
+        return await fut
+
+    # --- crash handling --------------------------------------------------------------------------
+    async def _crashed(self, slot: _Slot, exc: BaseException | None) -> None:
+        """``slot``'s child is gone (exited, crashed, failed to start or was escalated)."""
+        reason = describe(exc)
+        slot.last_exit_reason = reason
+        spec = slot.spec
+        slot.resolve(exc or Unavailable(f"child {spec.id} exited"))
+        if spec.restart == "temporary" or (spec.restart == "transient" and exc is None):
+            log.info("supervisor %s: child %s exited (%s), %s: not restarted",
+                     self.name, spec.id, reason, spec.restart)
+            slot.state = "stopped"
+            if spec.restart == "temporary":
+                self._slots.remove(slot)
+            return
+        now = time.monotonic()
+        self._restart_times.append(now)
+        while self._restart_times and now - self._restart_times[0] > self.period:
+            self._restart_times.popleft()
+        if len(self._restart_times) > self.intensity:
+            slot.state = "stopped"
+            self._failure = Escalation(
+                f"supervisor {self.name}: more than {self.intensity} restarts in {self.period:g}s; "
+                f"last: child {spec.id}: {reason}")
+            return
+        if slot.started_mono is not None and now - slot.started_mono >= self.backoff.reset_seconds:
+            slot.attempt = 0
+        delay = self.backoff.delay(slot.attempt)
+        slot.attempt += 1
+        group = self._group(slot)
+        log.warning("supervisor %s: child %s %s (%s); restarting %s in %.2fs (%s)", self.name,
+                    spec.id, "exited" if exc is None else "crashed", reason,
+                    ", ".join(s.spec.id for s in group), delay, self.strategy)
+        self._status(f"{self.name}: restarting {spec.id} in {delay:.1f}s: {reason}")
+        for s in reversed(group):
+            if s is not slot and s.child is not None:
+                await self._stop_slot(s)
+                s.last_exit_reason = f"shutdown: {self.strategy} after {spec.id} {reason}"
+        for s in group:
+            if s is not slot and s.spec.restart == "temporary":
+                s.state = "stopped"
+                self._slots.remove(s)
+                continue
+            s.state, s.deadline = "restarting", now + delay
+            s.restarts += 1
+
+    def _group(self, slot: _Slot) -> list[_Slot]:
+        """Children restarted together with ``slot``, in start order (stopped ones stay stopped)."""
+        if self.strategy == "one_for_one":
+            return [slot]
+        live = [s for s in self._slots if s is slot or s.state != "stopped"]
+        if self.strategy == "one_for_all":
+            return live
+        return live[live.index(slot):]
+
+    # --- starting and stopping one child ---------------------------------------------------------
+    async def _start_slot(self, slot: _Slot) -> None:
+        spec = slot.spec
+        slot.state = "starting"
+        self._status(f"{self.name}: starting {spec.id}")
+        child: Child | None = None
+        try:
+            child = spec.start()
+            slot.child = child
+            await child.start()
+        except asyncio.CancelledError:
+            if child is not None:
+                await self._kill(child)
+            slot.child, slot.state = None, "restarting"
+            raise
+        except Exception as e:
+            log.warning("supervisor %s: child %s failed to start: %s", self.name, spec.id, describe(e))
+            if child is not None:
+                await self._kill(child)  # a half-started child must not linger
+            slot.child, slot.started_mono = None, None
+            await self._crashed(slot, e)
+            return
+        slot.gen += 1
+        slot.state = "running"
+        slot.started_at, slot.started_mono = time.time(), time.monotonic()
+        slot.monitor = asyncio.create_task(self._watch(slot, slot.gen, child),
+                                           name=f"watch:{self.name}/{spec.id}")
+        log.info("supervisor %s: child %s up%s", self.name, spec.id,
+                 f" (pid {child.pid})" if getattr(child, "pid", None) else "")
+        slot.resolve(None)
+
+    async def _watch(self, slot: _Slot, gen: int, child: Child) -> None:
+        exc: BaseException | None = None
+        try:
+            await child.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            exc = e
+        self._events.put_nowait(("exit", slot, gen, exc))
+
+    async def _stop_slot(self, slot: _Slot, timeout: float | None | Literal["spec"] = "spec") -> None:
+        """Stop a running child on purpose: its exit is not a crash."""
+        child = slot.child
+        if slot.monitor is not None:
+            slot.monitor.cancel()
+            slot.monitor = None
+        slot.gen += 1  # any exit event already queued is now stale
+        if child is None:
+            return
+        t = slot.spec.shutdown_timeout if timeout == "spec" else timeout
+        try:
+            if t is None:
+                await self._kill(child)
+            else:
+                await asyncio.wait_for(child.stop(t), t + _STOP_GRACE)
+        except asyncio.CancelledError:
+            await self._kill(child)  # interrupted mid-stop (supervisor stopping): finish the job
+            slot.child = None
+            raise
+        except Exception as e:
+            log.warning("supervisor %s: child %s did not stop cleanly (%s); killing",
+                        self.name, slot.spec.id, describe(e))
+            await self._kill(child)
+        slot.child = None
+        log.info("supervisor %s: child %s stopped", self.name, slot.spec.id)
+
+    async def _kill(self, child: Child) -> None:
+        try:
+            await asyncio.wait_for(child.stop(None), 10.0)
+        except Exception as e:
+            log.error("supervisor %s: killing %s failed: %s", self.name, child.name, describe(e))
+
+    async def _stop_all(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for slot in reversed(self._slots):
+            if slot.child is None:
+                if slot.state != "stopped":
+                    slot.state = "stopped"
+                continue
+            t: float | None = slot.spec.shutdown_timeout
+            if deadline is None:
+                t = None
+            elif t is not None:
+                t = max(0.0, min(t, deadline - time.monotonic()))
+            await self._stop_slot(slot, t)
+            slot.state = "stopped"
+        for slot in self._slots:
+            slot.resolve(Unavailable(f"supervisor {self.name} stopped"))
+
+    def _finish(self) -> None:
+        # fail queued commands so their callers do not hang
+        while not self._events.empty():
+            ev = self._events.get_nowait()
+            if ev[0] == "cmd" and not ev[2].done():
+                ev[2].set_exception(Unavailable(f"supervisor {self.name} stopped"))
+        self._done.set()
+
+    # --- commands (run inside the loop) ----------------------------------------------------------
+    def _find(self, child_id: str) -> _Slot:
+        for s in self._slots:
+            if s.spec.id == child_id:
+                return s
+        raise NotFound(f"supervisor {self.name} has no child {child_id!r}")
+
+    def _waiter(self, slot: _Slot) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        slot.waiters.append(fut)
+        return fut
+
+    async def _cmd_restart(self, child_id: str) -> list[asyncio.Future[None]]:
+        slot = self._find(child_id)
+        group = self._group(slot) if slot.state != "stopped" else [slot]
+        log.info("supervisor %s: restart of %s requested (%s)", self.name, child_id,
+                 ", ".join(s.spec.id for s in group))
+        for s in reversed(group):
+            await self._stop_slot(s)
+        now = time.monotonic()
+        for s in group:
+            s.state, s.deadline, s.attempt = "restarting", now, 0
+            s.restarts += 1
+            s.last_exit_reason = "restart requested"
+        return [self._waiter(s) for s in group]
+
+    async def _cmd_spawn(self, spec: ChildSpec) -> asyncio.Future[None]:
+        if any(s.spec.id == spec.id for s in self._slots):
+            raise Conflict(f"supervisor {self.name} already has a child {spec.id!r}")
+        slot = _Slot(spec, state="restarting", deadline=time.monotonic())
+        self._slots.append(slot)
+        log.info("supervisor %s: spawning %s", self.name, spec.id)
+        return self._waiter(slot)
+
+    async def _cmd_stop(self, child_id: str, remove: bool) -> None:
+        slot = self._find(child_id)
+        await self._stop_slot(slot)
+        slot.state = "stopped"
+        slot.last_exit_reason = "stopped on request"
+        slot.resolve(Unavailable(f"child {child_id} stopped"))
+        if remove or slot.spec.restart == "temporary":
+            self._slots.remove(slot)
+        log.info("supervisor %s: child %s stopped on request%s", self.name, child_id,
+                 " and removed" if slot not in self._slots else "")
+
+    def _status(self, text: str) -> None:
+        if self.on_status is not None:
+            try:
+                self.on_status(text)
+            except Exception:
+                log.exception("on_status callback failed")
+
+
+def _giveup_timeout(slots: list[_Slot]) -> float:
+    return sum(s.spec.shutdown_timeout or 0.0 for s in slots) + 1.0

@@ -1,0 +1,150 @@
+"""The supervisor micro service over a real nats-server, driven like `nats req` (no headers)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bus.errors import BadRequest, Conflict, Escalation, NotFound
+from bus.rpc import request
+from supervisors.backoff import Backoff
+from supervisors.child import ChildSpec
+from supervisors.service import serve_supervisor
+from supervisors.supervisor import Supervisor
+
+ROOT = Path(__file__).resolve().parents[2]
+READY = ("import time\nfrom supervisors.sdnotify import Notifier\nNotifier().ready()\n"
+         "time.sleep(600)\n")
+
+
+class Dummy:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._exit: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def start(self) -> None:
+        return None
+
+    async def wait(self) -> None:
+        await self._exit
+
+    async def stop(self, timeout: float | None) -> None:
+        if not self._exit.done():
+            self._exit.set_result(None)
+
+
+async def raw(bus: Any, subject: str, body: str) -> tuple[dict[str, Any] | None, dict[str, str]]:
+    """What `nats req SUBJECT BODY` does: no headers at all."""
+    msg = await bus.nc.request(subject, body.encode(), timeout=20)
+    return (json.loads(msg.data) if msg.data else None), dict(msg.headers or {})
+
+
+async def until(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def served(bus: Any):
+    sup = Supervisor("host", [ChildSpec("a", lambda: Dummy("a"))],
+                     backoff=Backoff(initial=0.01, jitter=0), intensity=10)
+    await sup.start()
+    svc = await serve_supervisor(bus, sup, base_env={"PYTHONPATH": str(ROOT)})
+    yield sup, svc
+    await svc.stop()
+    await sup.stop(5)
+
+
+async def test_children_and_restart(bus: Any, served: Any) -> None:
+    sup, svc = served
+    s = bus.subjects
+    reply, headers = await raw(bus, s.supervisor(bus.host, "children"), "")
+    assert reply is not None and reply["supervisor"] == "host" and reply["running"] is True
+    assert [c["id"] for c in reply["children"]] == ["a"]
+    assert reply["children"][0]["state"] == "running"
+
+    reply, _ = await raw(bus, s.supervisor(bus.host, "restart"), '{"id": "a"}')
+    assert reply == {"status": "ok", "child": sup.child("a")}
+    assert reply["child"]["restarts"] == 1
+
+    with pytest.raises(NotFound):
+        await request(bus.nc, s.supervisor(bus.host, "restart"), {"id": "nope"})
+    with pytest.raises(BadRequest):
+        await request(bus.nc, s.supervisor(bus.host, "restart"), {"id": "a", "bogus": 1})
+    _, headers = await raw(bus, s.supervisor(bus.host, "restart"), "{not json")
+    assert headers.get("Nats-Service-Error-Code") == "400"
+
+
+async def test_spawn_stop_process_child(bus: Any, served: Any) -> None:
+    sup, svc = served
+    s = bus.subjects
+    spec = {"id": "w1", "argv": [sys.executable, "-c", READY], "shutdown": 2, "ready_timeout": 20}
+    reply, headers = await raw(bus, s.supervisor(bus.host, "spawn"), json.dumps(spec))
+    assert reply is not None, headers
+    child = reply["child"]
+    assert reply["status"] == "ok" and child["state"] == "running" and child["pid"]
+    pid = child["pid"]
+    with pytest.raises(Conflict):
+        await request(bus.nc, s.supervisor(bus.host, "spawn"), spec)
+
+    os.kill(pid, signal.SIGKILL)  # the supervisor restarts it (permanent)
+    await until(lambda: sup.child("w1")["pid"] not in (None, pid)
+                and sup.child("w1")["state"] == "running")
+    new_pid = sup.child("w1")["pid"]
+
+    reply, _ = await raw(bus, s.supervisor(bus.host, "stop"), '{"id": "w1", "remove": true}')
+    assert reply == {"status": "ok", "child": None}
+    assert [c["id"] for c in sup.children()] == ["a"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(new_pid, 0)
+
+    bad = {"id": "w2", "argv": [sys.executable, "-c", "raise SystemExit(4)"], "restart": "temporary"}
+    _, headers = await raw(bus, s.supervisor(bus.host, "spawn"), json.dumps(bad))
+    assert "exited with code 4" in headers.get("Nats-Service-Error", "")
+
+
+async def test_spawn_allow_list(bus: Any) -> None:
+    sup = Supervisor("node", [], backoff=Backoff(initial=0.01, jitter=0))
+    await sup.start()
+    svc = await serve_supervisor(bus, sup, node="w0", allowed_commands=["/bin/true"])
+    try:
+        with pytest.raises(BadRequest, match="not allowed"):
+            await request(bus.nc, bus.subjects.supervisor_node(bus.host, "w0", "spawn"),
+                          {"id": "x", "argv": ["/bin/sh", "-c", "echo pwned"]})
+        assert sup.children() == []
+    finally:
+        await svc.stop()
+        await sup.stop(5)
+
+
+async def test_escalate_child_then_supervisor(bus: Any, served: Any) -> None:
+    sup, svc = served
+    s = bus.subjects
+    reply, _ = await raw(bus, s.supervisor(bus.host, "escalate"),
+                         '{"reason": "liveness probe failed", "child": "a"}')
+    assert reply == {"status": "accepted"}
+    await until(lambda: sup.child("a")["restarts"] == 1 and sup.child("a")["state"] == "running")
+    assert "liveness probe failed" in sup.child("a")["last_exit_reason"]
+
+    reply, _ = await raw(bus, s.supervisor(bus.host, "escalate"), '{"reason": "give up"}')
+    assert reply == {"status": "accepted"}
+    with pytest.raises(Escalation, match="give up"):
+        await asyncio.wait_for(sup.wait(), 5)
+
+
+async def test_micro_info_lists_the_endpoints(bus: Any, served: Any) -> None:
+    _sup, svc = served
+    msg = await bus.nc.request(f"$SRV.INFO.supervisor.{svc.handle.id}", b"", timeout=5)
+    info = json.loads(msg.data)
+    assert {e["name"] for e in info["endpoints"]} == {"children", "restart", "spawn", "stop", "escalate"}
+    assert info["metadata"]["host"] == bus.host
