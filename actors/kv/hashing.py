@@ -1,0 +1,101 @@
+"""Router block hashes, compatible with Dynamo's KV router.
+
+Both the KV publisher (from the tokens in vLLM's ``BlockStored`` events) and the frontend (from
+the request's prompt tokens) compute these, so they must agree bit for bit:
+
+* **block hash** (Dynamo's "local block hash"): XXH3-64 with seed 1337 over the block's token ids
+  serialised as little-endian u32 (Dynamo: ``compute_block_hash_for_seq``). Only full blocks are
+  hashed; a trailing partial block is ignored (engines only publish full blocks).
+* **sequence hash**: identifies a block *and its whole prefix*:
+  ``seq[0] = block[0]``, ``seq[i] = xxh3_64(u64le(seq[i-1]) || u64le(block[i]), seed)``.
+  Because it chains the prefix, two requests share ``seq[i]`` only if they share the first
+  ``i+1`` blocks, which is what makes a flat dict keyed by sequence hash a valid radix index.
+* **LoRA name / cache salt** fold into the seed, so adapters and salted tenants never share blocks:
+  ``seed = 1337``; if ``lora_name``: ``seed = xxh3_64(b"lora:" + name, seed)``; if ``salt``:
+  ``seed = xxh3_64(b"salt:" + salt, seed)``. The prefixes keep a LoRA named "x" apart from a
+  salt "x". With neither, the seed is exactly Dynamo's 1337.
+
+Speed: ``array('I')`` + slicing of the bytes costs about 35 µs for 2,000 tokens (numpy is ~3x
+slower for list input because of the conversion); this runs per request on the frontend.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from functools import lru_cache
+
+import xxhash
+
+SEED = 1337
+_U64 = (1 << 64) - 1
+_h = xxhash.xxh3_64_intdigest
+_pack2 = struct.Struct("<QQ").pack
+
+# array('I') is native-endian; vLLM/Dynamo hash little-endian u32. Checked once at import.
+_BIG_ENDIAN = sys.byteorder == "big"
+_TYPECODE = "I" if array("I").itemsize == 4 else "L"
+if array(_TYPECODE).itemsize != 4:  # pragma: no cover - no such platform in practice
+    raise ImportError("no 4-byte unsigned array typecode on this platform")
+
+
+@lru_cache(maxsize=4096)
+def hash_seed(lora_name: str | None = None, salt: str | None = None) -> int:
+    """The XXH3 seed for a (LoRA, salt) pair; 1337 when both are None (Dynamo's seed)."""
+    seed = SEED
+    if lora_name:
+        seed = _h(b"lora:" + lora_name.encode(), seed)
+    if salt:
+        seed = _h(b"salt:" + salt.encode(), seed)
+    return seed
+
+
+def tokens_to_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32 bytes. Raises OverflowError for ids outside [0, 2**32)."""
+    arr = array(_TYPECODE, tokens)
+    if _BIG_ENDIAN:  # pragma: no cover
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def block_hashes_seeded(tokens: Sequence[int], block_size: int, seed: int) -> list[int]:
+    """Block hashes of the full blocks of ``tokens`` with an explicit seed."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    n_full = len(tokens) // block_size
+    if n_full == 0:
+        return []
+    data = tokens_to_bytes(tokens if len(tokens) == n_full * block_size
+                           else tokens[: n_full * block_size])
+    step = block_size * 4
+    return [_h(data[i:i + step], seed) for i in range(0, n_full * step, step)]
+
+
+def block_hashes(tokens: Sequence[int], block_size: int, lora_name: str | None = None,
+                 salt: str | None = None) -> list[int]:
+    """XXH3-64 hash of each full block of ``tokens`` (no chaining)."""
+    return block_hashes_seeded(tokens, block_size, hash_seed(lora_name, salt))
+
+
+def chain_hashes(blocks: Sequence[int], seed: int = SEED, parent: int | None = None) -> list[int]:
+    """Sequence hashes for consecutive block hashes, continuing after ``parent`` (None = root)."""
+    out: list[int] = []
+    append = out.append
+    prev = parent
+    for bh in blocks:
+        prev = bh if prev is None else _h(_pack2(prev, bh), seed)
+        append(prev)
+    return out
+
+
+def sequence_hashes(tokens: Sequence[int], block_size: int, lora_name: str | None = None,
+                    salt: str | None = None) -> list[int]:
+    """Sequence (prefix-chained) hash of each full block of ``tokens``: the router's index key."""
+    seed = hash_seed(lora_name, salt)
+    return chain_hashes(block_hashes_seeded(tokens, block_size, seed), seed)
+
+
+def num_full_blocks(num_tokens: int, block_size: int) -> int:
+    return num_tokens // block_size

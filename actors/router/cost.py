@@ -1,0 +1,145 @@
+"""Worker selection: cost = prefill_load_scale × new_prefill_blocks + active_decode_blocks.
+
+``new_prefill_blocks = request_blocks − overlap_blocks + active_prefill_tokens / block_size``
+(fractional, as in Dynamo): what the worker would still have to prefill, including the queue it
+already has. Lowest cost wins. Ties go to the worker with the *smaller index* (fewer cached blocks
+in the KV index, Dynamo's tie-break: it spreads new prefixes onto emptier caches), then random.
+With ``temperature > 0`` a worker is sampled with probability ∝ exp(−normalised_cost / T), where
+costs are min-max normalised to [0, 1] so T means the same at any load.
+
+Busy workers (reported KV usage ≥ ``busy_threshold``) are excluded; if every candidate is busy the
+request is refused with :class:`Overloaded`. A worker whose block size differs from the router's
+is costed with zero overlap (its hashes cannot match ours), with a warning once per worker and a
+counter increment per decision, so misconfiguration never looks like a silent 0 % hit rate.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Protocol
+
+from actors.router.load import LoadTracker
+from actors.router.metrics import RouterMetrics
+from bus.errors import Overloaded
+
+log = logging.getLogger(__name__)
+
+Worker = tuple[str, int]
+_EPS = 1e-9
+
+
+class IndexView(Protocol):
+    def worker_blocks(self, worker: Worker) -> int: ...
+
+    def worker_block_size(self, worker: Worker) -> int | None: ...
+
+
+@dataclass(slots=True)
+class RouterConfig:
+    block_size: int
+    prefill_load_scale: float = 1.0
+    temperature: float = 0.0
+    busy_threshold: float | None = None  # KV usage fraction (0-1); None = never exclude
+
+
+@dataclass(slots=True)
+class WorkerCost:
+    instance: str
+    dp_rank: int
+    overlap_blocks: int
+    new_prefill_blocks: float
+    decode_blocks: int
+    cost: float
+    block_size_mismatch: bool = False
+
+
+@dataclass(slots=True)
+class RoutingDecision:
+    instance: str
+    dp_rank: int
+    overlap_blocks: int
+    cost: float
+    request_blocks: int
+    costs: list[WorkerCost] = field(default_factory=list)
+    excluded_busy: list[str] = field(default_factory=list)
+    mode: str = "kv"
+
+    @property
+    def worker(self) -> Worker:
+        return (self.instance, self.dp_rank)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CostSelector:
+    def __init__(self, config: RouterConfig, *, metrics: RouterMetrics | None = None,
+                 rng: random.Random | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or RouterMetrics()
+        self.rng = rng or random.Random()
+        self._warned: set[Worker] = set()
+
+    def _mismatch(self, w: Worker, index: IndexView, block_sizes: Mapping[Worker, int | None]) -> bool:
+        bs = block_sizes.get(w) or index.worker_block_size(w)
+        if bs is None or bs == self.config.block_size:
+            return False
+        self.metrics.block_size_mismatch.labels(w[0], "routing").inc()
+        if w not in self._warned:
+            self._warned.add(w)
+            log.warning("KV block size MISMATCH: worker %s/%d uses block size %d, router uses %d; "
+                        "routing it as if nothing were cached (fix the topology's block size)",
+                        w[0], w[1], bs, self.config.block_size)
+        return True
+
+    def select(self, workers: Sequence[Worker], request_tokens: int, overlaps: Mapping[Worker, int],
+               load: LoadTracker, index: IndexView, *,
+               block_sizes: Mapping[Worker, int | None] | None = None) -> RoutingDecision:
+        """Pick a worker for a request of ``request_tokens`` prompt tokens."""
+        if not workers:
+            raise Overloaded("no worker available")
+        cfg = self.config
+        bs = cfg.block_size
+        block_sizes = block_sizes or {}
+        req_blocks = request_tokens / bs
+        busy: list[str] = []
+        costs: list[WorkerCost] = []
+        for w in workers:
+            if cfg.busy_threshold is not None:
+                usage = load.kv_usage(w)
+                if usage is not None and usage >= cfg.busy_threshold:
+                    busy.append(f"{w[0]}/{w[1]}")
+                    continue
+            mismatch = self._mismatch(w, index, block_sizes)
+            overlap = 0 if mismatch else overlaps.get(w, 0)
+            prefill = req_blocks - overlap + load.prefill_tokens(w) / bs
+            decode = load.decode_blocks(w)
+            costs.append(WorkerCost(w[0], w[1], overlap, prefill, decode,
+                                    cfg.prefill_load_scale * prefill + decode, mismatch))
+        if not costs:
+            raise Overloaded(f"all {len(workers)} workers are busy (KV usage >= {cfg.busy_threshold})")
+        chosen = self._sample(costs) if cfg.temperature > 0 else self._argmin(costs, index)
+        return RoutingDecision(chosen.instance, chosen.dp_rank, chosen.overlap_blocks, chosen.cost,
+                               request_tokens // bs, costs, busy)
+
+    def _argmin(self, costs: list[WorkerCost], index: IndexView) -> WorkerCost:
+        best = min(c.cost for c in costs)
+        tied = [c for c in costs if c.cost <= best + _EPS]
+        if len(tied) > 1:
+            smallest = min(index.worker_blocks((c.instance, c.dp_rank)) for c in tied)
+            tied = [c for c in tied if index.worker_blocks((c.instance, c.dp_rank)) == smallest]
+        return tied[0] if len(tied) == 1 else self.rng.choice(tied)
+
+    def _sample(self, costs: list[WorkerCost]) -> WorkerCost:
+        lo = min(c.cost for c in costs)
+        hi = max(c.cost for c in costs)
+        span = hi - lo
+        if span <= _EPS:
+            return self.rng.choice(costs)
+        t = self.config.temperature
+        weights = [math.exp(-((c.cost - lo) / span) / t) for c in costs]
+        return self.rng.choices(costs, weights=weights, k=1)[0]

@@ -1,0 +1,52 @@
+"""Prometheus metrics of the KV router.
+
+Created on an explicit registry: pass the registry your /metrics endpoint exports (e.g.
+``prometheus_client.REGISTRY``). With ``None`` a private registry is used, so several routers in
+one test process never collide on metric names.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_FAST_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        reg = registry if registry is not None else CollectorRegistry()
+        self.registry = reg
+        self.hashing_seconds = Histogram("router_hashing_seconds", "Time to hash a request's blocks",
+                                         buckets=_FAST_BUCKETS, registry=reg)
+        self.matching_seconds = Histogram("router_matching_seconds", "Time of find_matches",
+                                          buckets=_FAST_BUCKETS, registry=reg)
+        self.scheduling_seconds = Histogram("router_scheduling_seconds",
+                                            "Time to compute costs and pick a worker",
+                                            buckets=_FAST_BUCKETS, registry=reg)
+        self.events_applied = Counter("router_kv_events_applied_total",
+                                      "KV events applied to the index", ["kind"], registry=reg)
+        self.event_gaps = Counter("router_kv_event_gaps_total",
+                                  "Gaps detected in a worker's KV event ids", registry=reg)
+        self.index_blocks = Gauge("router_kv_index_blocks",
+                                  "Distinct sequence hashes in the index", registry=reg)
+        self.block_size_mismatch = Counter(
+            "router_block_size_mismatch_total",
+            "Events or routing decisions involving a worker whose block size differs from the router's",
+            ["instance", "source"], registry=reg)
+        self.request_blocks = Counter("router_request_blocks_total",
+                                      "Full prompt blocks of routed requests", registry=reg)
+        self.hit_blocks = Counter("router_hit_blocks_total",
+                                  "Prompt blocks already cached on the chosen worker", registry=reg)
+        self.hit_rate = Gauge("router_prefix_hit_rate",
+                              "Cumulative hit_blocks / request_blocks", registry=reg)
+        self.decisions = Counter("router_decisions_total", "Routing decisions", ["mode"], registry=reg)
+        self._req = 0
+        self._hit = 0
+
+    def observe_hit(self, request_blocks: int, hit_blocks: int) -> None:
+        self.request_blocks.inc(request_blocks)
+        self.hit_blocks.inc(hit_blocks)
+        self._req += request_blocks
+        self._hit += hit_blocks
+        if self._req:
+            self.hit_rate.set(self._hit / self._req)
