@@ -1,0 +1,95 @@
+"""Mocker engine arguments (the ``args`` dict of a topology's mocker engine).
+
+Keys (all optional; an unknown key is a ValueError naming it):
+
+| key | default | meaning |
+|---|---|---|
+| block_size | 16 | tokens per KV block (Dynamo's default; use 32 to mirror vLLM-CPU) |
+| num_gpu_blocks | 16384 | KV blocks per DP rank |
+| max_num_seqs | 256 | max running requests per rank |
+| max_num_batched_tokens | 8192 | token budget per scheduler step |
+| enable_prefix_caching | True | prefix cache + KV events |
+| enable_chunked_prefill | True | split long prompts over steps (off: budget must cover max_model_len) |
+| speedup_ratio | 1.0 | divide simulated compute time; 0 or "inf" = no compute, no sleeping |
+| max_model_len | 8192 | prompt + output cap (a longer prompt is rejected) |
+| vocab_size | 32000 | pseudo-token range |
+| eos_token_id | 2 | EOS id (generated tokens ending the request unless ignore_eos) |
+| dp_size | 1 | data-parallel ranks: one scheduler, pool and KV-event port each |
+| enable_lora | False | accept LoRA requests |
+| max_loras | 1 | distinct adapters in one running batch (vLLM's max_loras) |
+| max_cpu_loras | max_loras | adapters kept loaded; adding more evicts the least recently used |
+| die_at_start | False | ``start()`` fails with EngineDeadError |
+| die_after_tokens | None | the engine dies once this many tokens were generated (all requests) |
+| hang_after_tokens | None | the engine stalls forever after this many tokens (health stays OK) |
+| kv_events_buffer_steps | 10000 | replay ring size (batches) |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from actors.engines.mocker.timing import parse_speedup
+
+
+@dataclasses.dataclass(frozen=True)
+class MockerArgs:
+    block_size: int = 16
+    num_gpu_blocks: int = 16384
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    speedup_ratio: float = 1.0
+    max_model_len: int = 8192
+    vocab_size: int = 32000
+    eos_token_id: int = 2
+    dp_size: int = 1
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    die_at_start: bool = False
+    die_after_tokens: int | None = None
+    hang_after_tokens: int | None = None
+    kv_events_buffer_steps: int = 10_000
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any] | None) -> MockerArgs:
+        args = dict(args or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in args:
+            if key not in known:
+                raise ValueError(f"unknown mocker engine arg {key!r} (known: {', '.join(sorted(known))})")
+        if "speedup_ratio" in args:
+            args["speedup_ratio"] = parse_speedup(args["speedup_ratio"])
+        out = cls(**args)
+        out.validate()
+        return out
+
+    @property
+    def lora_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    @property
+    def zero_compute(self) -> bool:
+        return math.isinf(self.speedup_ratio)
+
+    def validate(self) -> None:
+        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "vocab_size", "dp_size", "max_loras"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"mocker arg {name} must be a positive int, got {v!r}")
+        if self.num_gpu_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"num_gpu_blocks*block_size = {self.num_gpu_blocks * self.block_size} tokens cannot "
+                f"hold one max_model_len={self.max_model_len} sequence (vLLM refuses this too)")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        if not 0 <= self.eos_token_id < self.vocab_size:
+            raise ValueError(f"eos_token_id {self.eos_token_id} outside vocab_size {self.vocab_size}")
+        for name in ("die_after_tokens", "hang_after_tokens", "max_cpu_loras"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                raise ValueError(f"mocker arg {name} must be a non-negative int or None, got {v!r}")

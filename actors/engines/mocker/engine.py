@@ -1,0 +1,461 @@
+"""MockerEngine: a simulated vLLM behind the Engine protocol (see ``config.py`` for its args).
+
+One asyncio task per DP rank runs scheduler steps: each step schedules (``scheduler.py``), waits
+the timing model's duration (``timing.py``; no sleep at all at zero compute, only a yield), then
+publishes the step's KV events as one ZMQ batch (``kv_events.py``) and delivers the step's tokens.
+
+Roles: "prefill" forces ``max_tokens=1`` and puts NIXL-like ``kv_transfer_params`` on the final
+output; "decode" publishes no KV events and, given ``kv_transfer_params`` with
+``do_remote_prefill``, treats all prompt tokens but the last as already computed (the simulated
+hand-off) and reports them as cached. Faults: ``die_at_start``, ``die_after_tokens``,
+``hang_after_tokens`` args, and ``inject_death()`` / ``inject_hang()`` at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from actors.engines.mocker import tokens as tk
+from actors.engines.mocker.config import MockerArgs
+from actors.engines.mocker.kv_events import ZmqKvEventPublisher
+from actors.engines.mocker.kv_pool import BlockPool
+from actors.engines.mocker.scheduler import MockRequest, Scheduler, StepResult
+from actors.engines.mocker.timing import TimingModel
+from actors.engines.protocol import (
+    EmbedsPrompt,
+    Engine,
+    EngineDeadError,
+    EngineOutput,
+    EngineStats,
+    KvEventSource,
+    LoraRef,
+    ModelFacts,
+    Prompt,
+    Role,
+    SamplingOptions,
+    TextPrompt,
+    TokenLogprob,
+    TokensPrompt,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _Rank:
+    def __init__(self, dp_rank: int, pool: BlockPool, sched: Scheduler,
+                 publisher: ZmqKvEventPublisher | None) -> None:
+        self.dp_rank = dp_rank
+        self.pool = pool
+        self.sched = sched
+        self.publisher = publisher
+        self.work = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    def flush_events(self) -> None:
+        events = self.pool.take_events()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)
+
+
+class MockerEngine(Engine):
+    def __init__(self, args: dict[str, Any] | None = None, role: Role = "agg",
+                 served_model_name: str = "mock", kv_events_port: int | None = None,
+                 seed: int = 0) -> None:
+        if role not in ("agg", "prefill", "decode"):
+            raise ValueError(f"unknown role {role!r}")
+        self.args = MockerArgs.from_dict(args)
+        self.role = role
+        self.seed = seed
+        self.engine_id = f"mocker-{uuid.uuid4().hex[:12]}"
+        self.kv_events_port = kv_events_port or 0
+        a = self.args
+        self.facts = ModelFacts(
+            served_model_name=served_model_name, model_path="mock", tokenizer_path="mock",
+            max_model_len=a.max_model_len, block_size=a.block_size, total_kv_blocks=a.num_gpu_blocks,
+            dp_size=a.dp_size, vocab_size=a.vocab_size, eos_token_ids=[a.eos_token_id])
+        self.timing = TimingModel(a.speedup_ratio)
+        self.received_kv_transfer_params: list[dict[str, Any]] = []
+        self.tokens_generated = 0
+        self._dead = asyncio.Event()
+        self._awake = asyncio.Event()
+        self._awake.set()
+        self._sleep_level: int | None = None
+        self._hung = False
+        self._hang_fired = False
+        self._unhang = asyncio.Event()
+        self._ranks: list[_Rank] = []
+        self._loras: OrderedDict[str, LoraRef] = OrderedDict()
+        self._started = False
+        self._stopped = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._started:
+            return
+        if self.args.die_at_start:
+            self._die("die_at_start injected")
+            raise EngineDeadError("mocker engine died at start (die_at_start)")
+        a = self.args
+        try:
+            for r in range(a.dp_size):
+                pool = BlockPool(a.num_gpu_blocks, a.block_size, a.enable_prefix_caching,
+                                 emit_events=self.role != "decode")
+                sched = Scheduler(pool, max_num_seqs=a.max_num_seqs,
+                                  max_num_batched_tokens=a.max_num_batched_tokens,
+                                  max_model_len=a.max_model_len,
+                                  enable_chunked_prefill=a.enable_chunked_prefill,
+                                  max_loras=a.max_loras, sample=self._sample)
+                pub = None
+                if self.role != "decode":
+                    base = self.kv_events_port
+                    pub = ZmqKvEventPublisher(
+                        r, pub_port=base + r if base else 0,
+                        replay_port=base + a.dp_size + r if base else 0,
+                        buffer_steps=a.kv_events_buffer_steps)
+                    pub.start()
+                self._ranks.append(_Rank(r, pool, sched, pub))
+        except Exception:
+            for rank in self._ranks:
+                if rank.publisher:
+                    rank.publisher.close()
+            self._ranks = []
+            raise
+        for rank in self._ranks:
+            rank.task = asyncio.get_running_loop().create_task(
+                self._loop(rank), name=f"mocker-{self.engine_id}-dp{rank.dp_rank}")
+        self._started = True
+        logger.info("mocker %s started: role=%s dp=%d blocks=%d x %d speedup=%s", self.engine_id,
+                    self.role, a.dp_size, a.num_gpu_blocks, a.block_size, a.speedup_ratio)
+
+    async def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        tasks = [r.task for r in self._ranks if r.task is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for rank in self._ranks:
+            for req in list(rank.sched.requests.values()):
+                rank.sched.finish(req, "abort")
+                self._push(req, self._output(req, [], final=True))
+            if rank.publisher is not None:
+                rank.publisher.close()
+                rank.publisher = None
+
+    # --- the simulation loop -------------------------------------------------------------------
+    async def _loop(self, rank: _Rank) -> None:
+        sched = rank.sched
+        try:
+            while not self._dead.is_set():
+                if not self._awake.is_set():
+                    await self._awake.wait()
+                    continue
+                if self._hung:
+                    await self._unhang.wait()
+                    await asyncio.sleep(0)
+                    continue
+                if not sched.has_work():
+                    rank.flush_events()
+                    rank.work.clear()
+                    await rank.work.wait()
+                    continue
+                res = sched.step()
+                delay = self.timing.step_seconds(res.prefill_tokens, res.num_decode,
+                                                 rank.pool.num_used, rank.pool.num_blocks)
+                await asyncio.sleep(delay)  # sleep(0) is a bare yield: zero compute means no delay
+                if self._dead.is_set():
+                    return
+                rank.flush_events()
+                self._deliver(rank, res)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug in the simulation is an engine death, not a silent hang
+            logger.exception("mocker %s rank %d crashed", self.engine_id, rank.dp_rank)
+            self._die(f"simulation error: {e!r}")
+
+    def _deliver(self, rank: _Rank, res: StepResult) -> None:
+        a = self.args
+        for req, tok in res.sampled:
+            if req.finish_reason == "abort":
+                continue
+            if self._hung or self._dead.is_set():
+                return
+            self._push(req, self._output(req, [tok], final=req.finished))
+            self.tokens_generated += 1
+            if a.die_after_tokens is not None and self.tokens_generated >= a.die_after_tokens:
+                self._die(f"die_after_tokens={a.die_after_tokens} reached")
+                return
+            if (a.hang_after_tokens is not None and not self._hang_fired
+                    and self.tokens_generated >= a.hang_after_tokens):
+                logger.warning("mocker %s hangs (hang_after_tokens=%d)", self.engine_id,
+                               a.hang_after_tokens)
+                self._hang_fired = True
+                self.inject_hang()
+                return
+
+    def _sample(self, req: MockRequest) -> int:
+        n = req.num_tokens
+        tail = (req.prompt[-tk.HISTORY:] + req.output)[-tk.HISTORY:] if len(req.output) < tk.HISTORY \
+            else req.output[-tk.HISTORY:]
+        banned: set[int] = set()
+        if len(req.output) < req.min_tokens:
+            banned = set(req.stop_token_ids)
+            if req.eos_token_id is not None:
+                banned.add(req.eos_token_id)
+        attempt = 0
+        while True:
+            tok = tk.token_after(tail, n, self.args.vocab_size, req.token_seed, attempt)
+            if tok not in banned or len(banned) >= self.args.vocab_size:
+                return tok
+            attempt += 1
+
+    def _output(self, req: MockRequest, toks: list[int], final: bool) -> EngineOutput:
+        sampling: SamplingOptions = req.sink.sampling
+        out = EngineOutput(token_ids=toks, num_prompt_tokens=len(req.prompt),
+                           cached_tokens=req.cached_tokens or 0)
+        if toks and sampling.detokenize:
+            out.text = tk.detokenize(toks)
+        if toks and sampling.logprobs is not None:
+            out.logprobs = [self._logprob(t, sampling.logprobs) for t in toks]
+        if final:
+            out.finish_reason = req.finish_reason
+            out.stop_reason = req.stop_reason
+            if self.role == "prefill" and req.finish_reason in ("stop", "length"):
+                out.kv_transfer_params = self._transfer_params(req)
+        return out
+
+    def _logprob(self, tok: int, k: int) -> TokenLogprob:
+        lp = tk.fake_logprob(tok, 0)
+        top = [(tok, lp)] if k > 0 else []
+        vocab = self.args.vocab_size
+        for j in range(1, k):
+            alt = (tok + j * 7919) % vocab
+            top.append((alt, tk.fake_logprob(alt, j)))
+        return TokenLogprob(token_id=tok, logprob=lp, top=top)
+
+    def _transfer_params(self, req: MockRequest) -> dict[str, Any]:
+        """NIXL-shaped hand-off description (the blocks themselves are freed at once here)."""
+        return {
+            "do_remote_prefill": True, "do_remote_decode": False,
+            "remote_block_ids": [list(req.released_blocks)], "remote_engine_id": self.engine_id,
+            "remote_request_id": req.request_id, "remote_host": "127.0.0.1", "remote_port": 0,
+            "remote_num_tokens": len(req.prompt), "tp_size": 1, "transfer_mode": "pull",
+            "remote_blocks_expiry_time": None, "remote_prefill_cached_tokens": req.cached_tokens or 0,
+        }
+
+    @staticmethod
+    def _push(req: MockRequest, item: EngineOutput | BaseException) -> None:
+        if req.sink is not None:
+            req.sink.queue.put_nowait(item)
+
+    def _die(self, reason: str) -> None:
+        if self._dead.is_set():
+            return
+        logger.error("mocker %s died: %s", self.engine_id, reason)
+        self._dead.set()
+        self._awake.set()
+        self._unhang.set()
+        current = asyncio.current_task() if self._started else None
+        for rank in self._ranks:
+            for req in list(rank.sched.requests.values()):
+                self._push(req, EngineDeadError(f"mocker engine died: {reason}"))
+            if rank.task is not None and rank.task is not current:
+                rank.task.cancel()
+            if rank.publisher is not None:  # like vLLM: the publisher dies with EngineCore
+                rank.publisher.close()
+                rank.publisher = None
+
+    # --- requests ----------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, TokensPrompt):
+            ids = list(prompt.token_ids)
+            bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} out of vocabulary (size {self.args.vocab_size})")
+            return ids
+        if isinstance(prompt, TextPrompt):
+            return tk.tokenize_text(prompt.text)
+        if isinstance(prompt, EmbedsPrompt):
+            return tk.embeds_token_ids(prompt.tensor, self.args.vocab_size, prompt.num_tokens)
+        raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _pick_rank(self) -> _Rank:
+        return min(self._ranks, key=lambda r: (r.sched.load, r.dp_rank))
+
+    async def generate(self, prompt: Prompt, sampling: SamplingOptions, request_id: str,
+                       lora: LoraRef | None = None,
+                       kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[EngineOutput]:
+        """Async generator of delta outputs (validation errors surface on the first iteration)."""
+        if self._dead.is_set():
+            raise EngineDeadError("mocker engine is dead")
+        if not self._started or self._stopped:
+            raise RuntimeError("mocker engine is not running")
+        ids = self._prompt_ids(prompt)
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) >= self.args.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.args.max_model_len}")
+        if lora is not None:
+            if not self.args.enable_lora:
+                raise ValueError(f"LoRA {lora.name!r} requested but enable_lora is off")
+            await self.add_lora(lora)  # loaded on demand, like vLLM
+        remote = 0
+        if kv_transfer_params is not None:
+            self.received_kv_transfer_params.append(dict(kv_transfer_params))
+            if self.role != "prefill" and kv_transfer_params.get("do_remote_prefill"):
+                remote = len(ids) - 1
+        max_tokens = 1 if self.role == "prefill" else sampling.max_tokens
+        if max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        rank = self._pick_rank()
+        if request_id in rank.sched.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        lora_name = lora.name if lora else None
+        req = MockRequest(
+            request_id=request_id, prompt=ids, max_tokens=max_tokens,
+            min_tokens=sampling.min_tokens,
+            eos_token_id=None if sampling.ignore_eos else self.args.eos_token_id,
+            stop_token_ids=frozenset(sampling.stop_token_ids), lora_name=lora_name,
+            lora_id=lora.int_id if lora else None, request_seed=sampling.seed,
+            remote_prefill_tokens=remote,
+            token_seed=tk.hash_seed(self.seed, lora_name, sampling.seed),
+            sink=_Sink(sampling))
+        rank.sched.add(req)
+        rank.work.set()
+        queue = req.sink.queue
+        try:
+            error: BaseException | None = None
+            while error is None:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                while not queue.empty() and not item.finish_reason:
+                    nxt = queue.get_nowait()  # a slow consumer gets merged deltas, like vLLM
+                    if isinstance(nxt, BaseException):
+                        error = nxt  # deliver the tokens that made it, then fail
+                        break
+                    item = _merge(item, nxt)
+                yield item
+                if item.finish_reason is not None:
+                    return
+            raise error
+        finally:
+            if not req.finished and not self._dead.is_set():
+                rank.sched.finish(req, "abort")  # the consumer went away
+
+    async def abort(self, request_id: str) -> None:
+        for rank in self._ranks:
+            req = rank.sched.requests.get(request_id)
+            if req is not None:
+                rank.sched.finish(req, "abort")
+                self._push(req, self._output(req, [], final=True))
+
+    # --- control -----------------------------------------------------------------------------
+    async def sleep(self, level: int = 1) -> None:
+        self._sleep_level = level
+        self._awake.clear()
+        if level >= 1:
+            for rank in self._ranks:
+                rank.pool.reset_prefix_cache(force=True)
+                rank.flush_events()
+        logger.info("mocker %s sleeping (level %d)", self.engine_id, level)
+
+    async def wake_up(self) -> None:
+        self._sleep_level = None
+        self._awake.set()
+
+    async def is_sleeping(self) -> bool:
+        return not self._awake.is_set()
+
+    async def reset_prefix_cache(self) -> bool:
+        ok = True
+        for rank in self._ranks:
+            ok = rank.pool.reset_prefix_cache() and ok
+            rank.flush_events()
+        return ok
+
+    async def add_lora(self, lora: LoraRef) -> bool:
+        if not self.args.enable_lora:
+            raise ValueError("enable_lora is off")
+        if lora.name in self._loras:
+            self._loras.move_to_end(lora.name)
+            return True
+        while len(self._loras) >= self.args.lora_capacity:
+            old, _ = self._loras.popitem(last=False)
+            logger.info("mocker %s evicts LoRA %s (capacity %d)", self.engine_id, old,
+                        self.args.lora_capacity)
+        self._loras[lora.name] = lora
+        return True
+
+    async def remove_lora(self, lora: LoraRef) -> bool:
+        for name, ref in list(self._loras.items()):
+            if ref.int_id == lora.int_id:
+                del self._loras[name]
+                return True
+        return False
+
+    async def list_loras(self) -> list[int]:
+        return sorted(r.int_id for r in self._loras.values())
+
+    async def check_health(self) -> None:
+        if self._dead.is_set():
+            raise EngineDeadError("mocker engine is dead")
+
+    def inject_death(self) -> None:
+        """Die now: in-flight generates raise EngineDeadError, check_health fails."""
+        self._die("inject_death()")
+
+    def inject_hang(self) -> None:
+        """Stall every rank (streams stop, check_health still passes), until ``clear_hang``."""
+        self._hung = True
+        self._unhang.clear()
+
+    def clear_hang(self) -> None:
+        self._hung = False
+        self._unhang.set()
+
+    @property
+    def dead(self) -> asyncio.Event:
+        return self._dead
+
+    def stats(self) -> list[EngineStats]:
+        now = time.time()
+        return [EngineStats(
+            dp_rank=r.dp_rank, num_running=len(r.sched.running), num_waiting=len(r.sched.waiting),
+            kv_usage=r.pool.usage, active_kv_blocks=r.pool.num_used,
+            total_kv_blocks=r.pool.num_blocks, prefix_queries=r.sched.prefix_queries,
+            prefix_hits=r.sched.prefix_hits, step=r.sched.step_count, ts=now) for r in self._ranks]
+
+    def kv_event_sources(self) -> list[KvEventSource]:
+        return [KvEventSource(dp_rank=r.dp_rank, endpoint=r.publisher.endpoint,
+                              replay_endpoint=r.publisher.replay_endpoint, topic=r.publisher.topic)
+                for r in self._ranks if r.publisher is not None]
+
+
+class _Sink:
+    __slots__ = ("queue", "sampling")
+
+    def __init__(self, sampling: SamplingOptions) -> None:
+        self.sampling = sampling
+        self.queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+
+
+def _merge(a: EngineOutput, b: EngineOutput) -> EngineOutput:
+    out = EngineOutput(token_ids=a.token_ids + b.token_ids, num_prompt_tokens=b.num_prompt_tokens,
+                       cached_tokens=b.cached_tokens, finish_reason=b.finish_reason,
+                       stop_reason=b.stop_reason, kv_transfer_params=b.kv_transfer_params)
+    if a.text is not None or b.text is not None:
+        out.text = (a.text or "") + (b.text or "")
+    if a.logprobs is not None or b.logprobs is not None:
+        out.logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return out
