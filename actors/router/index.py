@@ -297,6 +297,11 @@ class KvIndex:
         st = self._workers.get(worker)
         return len(st.blocks) if st else 0
 
+    def worker_hashes(self, worker: Worker) -> list[int]:
+        """The sequence hashes a worker holds (for ``index.dump``)."""
+        st = self._workers.get(worker)
+        return list(st.blocks) if st else []
+
     def worker_block_size(self, worker: Worker) -> int | None:
         st = self._workers.get(worker)
         return st.block_size if st else None
