@@ -1,0 +1,160 @@
+"""Turn a topology's engine-args dict into a validated vLLM ``VllmConfig``, with our defaults.
+
+vLLM's own ``AsyncEngineArgs`` is the schema, so any vLLM option works from the topology; we only
+add defaults (like Dynamo's) and turn vLLM's assorted exceptions into one clear ``ValueError``.
+Imports of vLLM happen inside functions: importing this module must stay cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from actors.engines.protocol import Role
+
+logger = logging.getLogger(__name__)
+
+TOPIC = "kv-events"
+# vLLM-CPU needs a block size that is a multiple of 32 (its default, 128, wastes the tiny cache).
+CPU_BLOCK_SIZE = 32
+
+# Engine args that vLLM types as config objects but does not build from a dict itself.
+_DICT_CONFIGS = {
+    "kv_transfer_config": "KVTransferConfig",
+    "kv_events_config": "KVEventsConfig",
+    "structured_outputs_config": "StructuredOutputsConfig",
+}
+
+# os.environ is process-wide; engines built in one process take turns applying theirs.
+_ENV_LOCK = threading.Lock()
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def resolve_model(model: str) -> str:
+    """``"tiny"`` means the locally built tiny model (built on first use)."""
+    if model == "tiny":
+        from actors.models.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return model
+
+
+def default_env(cpu: bool) -> dict[str, str]:
+    """Environment for a fast-starting engine on CPU (facts §12): no separate Worker process, and
+    one OMP thread per engine, since with the uni executor OMP threads spin against each other."""
+    if not cpu:
+        return {}
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def applied_env(env: Mapping[str, str]) -> Iterator[None]:
+    """Set ``env`` in os.environ while an engine is built (its processes inherit it at spawn),
+    then restore, so engines built later in the same process do not inherit each other's ports."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update({k: str(v) for k, v in env.items()})
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def kv_events_config(port: int | None, dp_size: int = 1) -> Any:
+    """ZMQ KV events. ``port`` None → the OS picks ports (resolved later via get_kv_event_sources).
+    vLLM adds the DP rank to both ports, so rank r publishes on ``port + r``; the replay socket
+    goes on ``port + 1000 + r`` when those ports are free now, else on an OS-picked port."""
+    from vllm.config import KVEventsConfig
+
+    pub = f"tcp://*:{port}" if port is not None else "tcp://*:0"
+    replay = "tcp://*:0"
+    if port is not None and all(_port_free(port + 1000 + r) for r in range(dp_size)):
+        replay = f"tcp://*:{port + 1000}"
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
+                          replay_endpoint=replay, topic=TOPIC)
+
+
+def _port_free(port: int) -> bool:
+    if not 0 < port < 65536:
+        return False
+    with socket.socket() as s:
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def engine_arg_names() -> set[str]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def build_engine_args(engine_args: Mapping[str, Any], role: Role = "agg",
+                      served_model_name: str | None = None,
+                      kv_events_port: int | None = None) -> Any:
+    """The topology's args plus our defaults, as a vLLM ``AsyncEngineArgs``.
+
+    Raises ValueError naming any key vLLM does not know, or the reason vLLM rejected a value.
+    """
+    from vllm import config as vcfg
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = dict(engine_args)
+    unknown = sorted(set(args) - engine_arg_names())
+    if unknown:
+        raise ValueError(f"unknown vLLM engine arg(s): {', '.join(unknown)} "
+                         "(see `vllm serve --help` for the valid names, with '-' as '_')")
+    if "model" not in args:
+        raise ValueError("engine args need a 'model' (a path, a hub id, or 'tiny')")
+    args["model"] = resolve_model(str(args["model"]))
+    if args.get("tokenizer") == "tiny":
+        args["tokenizer"] = args["model"]
+    if served_model_name and "served_model_name" not in args:
+        args["served_model_name"] = served_model_name
+    cpu = is_cpu_platform()
+    args.setdefault("enable_prefix_caching", True)
+    # Our stat logger feeds stats(); vLLM's periodic log lines would only add noise.
+    args.setdefault("disable_log_stats", True)
+    if cpu:
+        args.setdefault("block_size", CPU_BLOCK_SIZE)
+        args.setdefault("enforce_eager", True)  # CPU: compile costs ~20 s at start and decodes slower
+    if "kv_events_config" not in args and role != "decode":
+        args["kv_events_config"] = kv_events_config(kv_events_port,
+                                                    int(args.get("data_parallel_size") or 1))
+    for key, cls_name in _DICT_CONFIGS.items():
+        if isinstance(args.get(key), dict):
+            try:
+                args[key] = getattr(vcfg, cls_name)(**args[key])
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"bad {key}: {e}") from e
+    try:
+        return AsyncEngineArgs(**args)
+    except TypeError as e:  # kept for safety: the name check above should catch these first
+        raise ValueError(f"bad vLLM engine args: {e}") from e
+
+
+def create_vllm_config(args: Any) -> Any:
+    """Run vLLM's own validation; its pydantic/Value errors become one ValueError."""
+    from vllm.usage.usage_lib import UsageContext
+
+    try:
+        return args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+        raise ValueError(f"vLLM rejected the engine args: {e}") from e

