@@ -90,6 +90,11 @@ class Subjects:
     def planner(self, verb: str) -> str:
         return f"{self.ns}.planner.{verb}"
 
+    # any actor's per-instance control subject (e.g. the stream ``cancel`` endpoint)
+    def actor(self, kind: str, instance: str, verb: str) -> str:
+        """``ns.<kind>.<instance>.<verb>``; for kind "worker" this equals ``worker(instance, verb)``."""
+        return f"{self.ns}.{check_token(kind)}.{check_token(instance)}.{verb}"
+
     # example actor
     def echo(self, verb: str) -> str:
         return f"{self.ns}.echo.{verb}"
@@ -110,3 +115,4 @@ class Subjects:
 
 def inbox_prefix(namespace: str) -> str:
     return f"_INBOX.{check_token(namespace)}"
+

@@ -1,0 +1,115 @@
+"""One NATS connection per OS process: URL, auth, TLS, reconnect forever with jittered backoff.
+
+Why a custom reconnect handler: nats-py's default waits a fixed ``reconnect_time_wait`` between
+attempts, so every process of a host that lost its server reconnects in lock step (thundering herd
+when the server comes back). The handler below picks the least-tried server and sleeps an
+exponentially growing, jittered delay instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import ssl
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+
+from supervisors.topology import BusConfig, BusTLS
+
+log = logging.getLogger(__name__)
+
+RECONNECT_BASE = 0.25  # first retry delay (s)
+RECONNECT_MAX = 5.0  # cap of the exponential backoff (s)
+RECONNECT_JITTER = 0.5  # +-50 % of the delay
+
+
+def backoff_delay(attempt: int, base: float = RECONNECT_BASE, cap: float = RECONNECT_MAX,
+                  jitter: float = RECONNECT_JITTER, rng: random.Random | None = None) -> float:
+    """Delay before reconnect attempt ``attempt`` (0-based): base * 2^attempt, capped, jittered."""
+    r = rng or random
+    delay = min(cap, base * (2 ** min(attempt, 30)))
+    return max(0.0, delay * (1.0 + jitter * (2.0 * r.random() - 1.0)))
+
+
+def _reconnect_handler(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
+    # Least-tried server first; its retry count drives the backoff.
+    server = min(servers, key=lambda s: s.reconnects)
+    return server, backoff_delay(server.reconnects)
+
+
+def ssl_context(tls: BusTLS) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_file)
+    if tls.cert_file:
+        ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    return ctx
+
+
+def connect_options(cfg: BusConfig | str, name: str) -> dict[str, Any]:
+    """The keyword arguments for ``nats.connect`` (split out so it is testable without a server)."""
+    if isinstance(cfg, str):
+        cfg = BusConfig(url=cfg)
+    url = cfg.url or f"nats://127.0.0.1:{cfg.port}"
+    opts: dict[str, Any] = {
+        "servers": [u.strip() for u in url.split(",") if u.strip()],
+        "name": name,
+        "allow_reconnect": True,
+        "max_reconnect_attempts": -1,  # forever: a supervisor, not the client, decides to give up
+        "reconnect_time_wait": RECONNECT_BASE,
+        "reconnect_to_server_handler": _reconnect_handler,
+        "connect_timeout": 5,
+        "ping_interval": 10,
+        "max_outstanding_pings": 3,
+    }
+    a = cfg.auth
+    if a.token:
+        opts["token"] = a.token
+    if a.user:
+        opts["user"] = a.user
+        opts["password"] = a.password or ""
+    if a.nkey_seed:
+        opts["nkeys_seed"] = os.path.expanduser(a.nkey_seed)
+    if a.creds:
+        opts["user_credentials"] = os.path.expanduser(a.creds)
+    if cfg.tls is not None:
+        opts["tls"] = ssl_context(cfg.tls)
+        if cfg.tls.hostname:
+            opts["tls_hostname"] = cfg.tls.hostname
+    return opts
+
+
+async def connect(cfg: BusConfig | str, name: str, *, initial_attempts: int = 3) -> Client:
+    """Connect and log status changes. The *initial* connect tries each server ``initial_attempts``
+    times and then raises (a supervisor restarts us with its own backoff; nats-py would otherwise
+    loop forever on a wrong URL or bad credentials); once connected, outages are retried forever."""
+    opts = connect_options(cfg, name)
+    servers = opts["servers"]
+    opts["max_reconnect_attempts"] = max(1, initial_attempts)
+
+    async def on_disconnected() -> None:
+        if nc.is_closed or nc.is_draining:  # our own close(): not an outage
+            log.debug("nats %s: disconnected (closing)", name)
+        else:
+            log.warning("nats %s: disconnected from %s; reconnecting", name, servers)
+
+    async def on_reconnected() -> None:
+        log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
+
+    async def on_closed() -> None:
+        log.info("nats %s: connection closed", name)
+
+    async def on_error(e: Exception) -> None:
+        log.warning("nats %s: %s: %s", name, type(e).__name__, e)
+
+    nc: Client = await nats.connect(
+        **opts,
+        disconnected_cb=on_disconnected,
+        reconnected_cb=on_reconnected,
+        closed_cb=on_closed,
+        error_cb=on_error,
+    )
+    nc.options["max_reconnect_attempts"] = -1  # read on every reconnect: from now on, forever
+    log.info("nats %s: connected to %s", name, nc.connected_url.netloc if nc.connected_url else servers)
+    return nc

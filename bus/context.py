@@ -1,0 +1,39 @@
+"""BusContext: what every actor gets — the process's shared connection, JetStream, subjects."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from bus.connection import connect
+from bus.subjects import Subjects
+from supervisors.topology import BusConfig
+
+
+@dataclass
+class BusContext:
+    nc: Client
+    js: JetStreamContext
+    subjects: Subjects
+    namespace: str
+    host: str
+    owns_connection: bool = True
+
+    async def close(self) -> None:
+        """Drain (flush outgoing, finish callbacks) and close, if this context owns the connection."""
+        if self.owns_connection and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:  # already closing / server gone: close hard
+                await self.nc.close()
+
+    def child(self) -> BusContext:
+        """Same connection for another actor of this process (one connection per OS process)."""
+        return BusContext(self.nc, self.js, self.subjects, self.namespace, self.host, owns_connection=False)
+
+
+async def open_context(cfg: BusConfig | str, namespace: str, host: str, name: str) -> BusContext:
+    nc = await connect(cfg, name)
+    return BusContext(nc=nc, js=nc.jetstream(), subjects=Subjects(namespace), namespace=namespace, host=host)

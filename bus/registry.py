@@ -1,0 +1,190 @@
+"""Registry on JetStream KV: entries with a TTL kept alive by heartbeats; expiry = death.
+
+Buckets are created with a bucket TTL (stream max_age) *and* limit markers (nats-server >= 2.11):
+when an entry ages out the server writes a marker (``Nats-Marker-Reason: MaxAge``), so watchers see
+an expiry as a removal instead of silence. ``deregister`` purges the key with a per-message TTL on the
+purge marker, so watchers see the removal at once and the marker itself does not pile up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
+
+from bus import codec
+
+log = logging.getLogger(__name__)
+
+EventKind = Literal["added", "updated", "removed"]
+
+
+@dataclass(frozen=True)
+class RegistryEvent:
+    kind: EventKind
+    key: str
+    value: bytes | None
+
+
+def _to_bytes(value: Any) -> bytes:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value)
+    if isinstance(value, str):
+        return value.encode()
+    return codec.encode(value)  # JSON, so `nats kv get` shows it
+
+
+class Registry:
+    def __init__(self, js: JetStreamContext, bucket: str, ttl: float = 10.0) -> None:
+        self.js = js
+        self.bucket = bucket
+        self.ttl = ttl
+        self._kv: KeyValue | None = None
+        self._values: dict[str, bytes] = {}
+        self._refresh: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def kv(self) -> KeyValue:
+        if self._kv is None:
+            raise RuntimeError(f"registry {self.bucket}: call ensure() first")
+        return self._kv
+
+    async def ensure(self) -> None:
+        """Bind the bucket, creating it (TTL + limit markers) when missing."""
+        if self._kv is not None:
+            return
+        try:
+            self._kv = await self.js.key_value(self.bucket)
+            await self._adopt_ttl()
+            return
+        except nats.js.errors.BucketNotFoundError:
+            pass
+        cfg = KeyValueConfig(bucket=self.bucket, ttl=self.ttl, history=1,
+                             limit_marker_ttl=max(1.0, self.ttl), description="vllm-actors registry")
+        try:
+            self._kv = await self.js.create_key_value(cfg)
+            log.info("created KV bucket %s (ttl %.1fs)", self.bucket, self.ttl)
+        except nats.js.errors.BadRequestError:  # created concurrently by another process
+            self._kv = await self.js.key_value(self.bucket)
+            await self._adopt_ttl()
+
+    async def _adopt_ttl(self) -> None:
+        """An existing bucket's TTL wins (the heartbeat must beat *its* expiry, not ours)."""
+        try:
+            max_age = (await self.kv.status()).stream_info.config.max_age
+        except Exception as e:
+            log.warning("registry %s: cannot read bucket TTL: %s", self.bucket, e)
+            return
+        if max_age and abs(max_age - self.ttl) > 1e-6:
+            log.info("registry %s: bucket TTL is %.1fs (asked %.1fs); using it", self.bucket, max_age, self.ttl)
+            self.ttl = max_age
+
+    async def put(self, key: str, value: Any) -> int:
+        return await self.kv.put(key, _to_bytes(value))
+
+    async def get(self, key: str) -> bytes | None:
+        # Read the raw message: KeyValue.get() does not recognise server limit markers
+        # (Nats-Marker-Reason) and would return an expired entry as an empty value.
+        kv = self.kv
+        try:
+            msg = await self.js.get_msg(kv._stream, subject=f"{kv._pre}{key}", direct=kv._direct)
+        except nats.js.errors.NotFoundError:
+            return None
+        h = msg.headers or {}
+        if h.get(KV_OP) in (KV_DEL, KV_PURGE) or KV_MARKER_REASON in h:
+            return None
+        return msg.data or b""
+
+    async def keys(self) -> list[str]:
+        try:
+            return sorted(await self.kv.keys())
+        except nats.js.errors.NoKeysError:
+            return []
+
+    async def items(self) -> dict[str, bytes]:
+        out: dict[str, bytes] = {}
+        for k in await self.keys():
+            v = await self.get(k)
+            if v is not None:
+                out[k] = v
+        return out
+
+    async def register(self, key: str, value: Any, heartbeat: float | None = None) -> None:
+        """Put now and keep re-putting every ``heartbeat`` (default ttl/3) until deregistered.
+
+        Calling it again for the same key updates the value the heartbeat refreshes.
+        """
+        data = _to_bytes(value)
+        self._values[key] = data
+        await self.kv.put(key, data)
+        if key not in self._refresh:
+            interval = heartbeat or self.ttl / 3
+            self._refresh[key] = asyncio.create_task(self._keepalive(key, interval),
+                                                     name=f"registry-refresh-{key}")
+
+    async def _keepalive(self, key: str, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            data = self._values.get(key)
+            if data is None:
+                return
+            try:
+                await self.kv.put(key, data)
+            except Exception as e:  # disconnected: retry next beat; the TTL gives us slack
+                log.warning("registry %s: refresh of %s failed: %s", self.bucket, key, e)
+
+    async def deregister(self, key: str) -> None:
+        self._values.pop(key, None)
+        task = self._refresh.pop(key, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        try:
+            await self.kv.purge(key, msg_ttl=max(1.0, self.ttl))
+        except Exception as e:
+            log.warning("registry %s: deregister of %s failed (%s); it expires in %.1fs",
+                        self.bucket, key, e, self.ttl)
+
+    async def close(self) -> None:
+        """Stop heartbeats without deleting (entries then expire by TTL)."""
+        for task in self._refresh.values():
+            task.cancel()
+        await asyncio.gather(*self._refresh.values(), return_exceptions=True)
+        self._refresh.clear()
+        self._values.clear()
+
+    async def watch(self, key_filter: str = ">") -> AsyncIterator[RegistryEvent]:
+        """Current entries first (as ``added``), then changes. Unchanged heartbeats are not reported.
+
+        Consume it from its own task: cancelling a pending ``__anext__`` (e.g. ``wait_for`` timing out)
+        closes an async generator, so the watch would end.
+        """
+        watcher = await self.kv.watch(key_filter)
+        known: dict[str, bytes] = {}
+        try:
+            async for entry in watcher:
+                if entry is None:  # end of the initial snapshot
+                    continue
+                if entry.operation in (KV_DEL, KV_PURGE):
+                    if known.pop(entry.key, None) is not None:
+                        yield RegistryEvent("removed", entry.key, None)
+                    continue
+                value = entry.value or b""
+                prev = known.get(entry.key)
+                known[entry.key] = value
+                if prev is None:
+                    yield RegistryEvent("added", entry.key, value)
+                elif prev != value:
+                    yield RegistryEvent("updated", entry.key, value)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()

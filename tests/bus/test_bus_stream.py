@@ -1,0 +1,236 @@
+"""Streaming RPC against a real nats-server: order, cancel, caller gone, stalls, gaps, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from bus import codec
+from bus import subjects as S
+from bus.context import BusContext
+from bus.errors import BadRequest, RemoteError, StreamGap, StreamStalled, Unavailable
+from bus.stream import StreamCancels, request_id, respond_stream, stream_request
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Responder:
+    """A raw streaming responder (no Actor) recording how its generator ended."""
+
+    def __init__(self, bus: BusContext, subject: str, cancel_subject: str | None) -> None:
+        self.bus, self.subject, self.cancel_subject = bus, subject, cancel_subject
+        self.cancels = StreamCancels()
+        self.closed = asyncio.Event()
+        self.completed = False
+        self.sent = 0
+
+    async def gen(self, n: int, interval: float) -> AsyncIterator[dict[str, int]]:
+        try:
+            for i in range(n):
+                if interval:
+                    await asyncio.sleep(interval)
+                self.sent += 1
+                yield {"i": i}
+            self.completed = True
+        finally:
+            self.closed.set()
+
+    async def start(self) -> None:
+        async def on_req(msg):  # type: ignore[no-untyped-def]
+            req = codec.decode(msg.data, msg.headers)
+            task = asyncio.ensure_future(respond_stream(
+                self.bus.nc, msg, self.gen(req["n"], req.get("interval", 0.0)),
+                cancel_subject=self.cancel_subject, instance="inst-1"))
+            self.cancels.track(request_id(msg), task)
+
+        await self.bus.nc.subscribe(self.subject, cb=on_req)
+        if self.cancel_subject:
+            await self.bus.nc.subscribe(self.cancel_subject, cb=self.cancels.handle)
+        await self.bus.nc.flush()
+
+
+@pytest.fixture
+async def responder(bus: BusContext) -> Responder:
+    r = Responder(bus, bus.subjects.echo("rawstream"), bus.subjects.actor("raw", "inst-1", "cancel"))
+    await r.start()
+    return r
+
+
+async def test_10000_chunks_in_order(bus: BusContext, responder: Responder) -> None:
+    call = stream_request(bus.nc, responder.subject, {"n": 10_000})
+    got = [c["i"] async for c in call]
+    assert got == list(range(10_000))
+    assert call.instance == "inst-1" and call.received == 10_000
+    assert responder.completed
+
+
+async def test_no_responders_fails_at_once(bus: BusContext) -> None:
+    with pytest.raises(Unavailable):
+        async for _ in stream_request(bus.nc, bus.subjects.echo("nobody-here"), {}, stall_timeout=30):
+            pass
+
+
+async def test_aclose_publishes_cancel(bus: BusContext, responder: Responder) -> None:
+    call = stream_request(bus.nc, responder.subject, {"n": 1000, "interval": 0.02})
+    async for c in call:
+        if c["i"] == 2:
+            break
+    await call.aclose()
+    await asyncio.wait_for(responder.closed.wait(), 5)
+    assert responder.cancels.cancelled == 1
+    assert not responder.completed and responder.sent < 1000
+
+
+async def test_break_and_drop_cancels(bus: BusContext, responder: Responder) -> None:
+    call = stream_request(bus.nc, responder.subject, {"n": 1000, "interval": 0.02})
+    async for _ in call:
+        break
+    del call
+    gc.collect()  # the generator's finaliser runs aclose() on the loop
+    await asyncio.wait_for(responder.closed.wait(), 5)
+    assert not responder.completed
+
+
+async def test_cancelled_consumer_task_cancels(bus: BusContext, responder: Responder) -> None:
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in stream_request(bus.nc, responder.subject, {"n": 1000, "interval": 0.02}):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.wait_for(responder.closed.wait(), 5)
+    assert responder.cancels.cancelled == 1
+
+
+async def test_caller_gone_without_cancel_subject_stops_generator(bus: BusContext) -> None:
+    # No cancel subject advertised: the responder must notice the inbox vanished (503 on its reply).
+    r = Responder(bus, bus.subjects.echo("nocancel"), None)
+    await r.start()
+    call = stream_request(bus.nc, r.subject, {"n": 1000, "interval": 0.02}, stall_timeout=0.6)
+    async for _ in call:
+        break
+    await call.aclose()
+    await asyncio.wait_for(r.closed.wait(), 5)
+    assert not r.completed and r.cancels.cancelled == 0
+
+
+async def test_heartbeats_keep_a_slow_stream_alive(bus: BusContext, responder: Responder) -> None:
+    # 0.5 s between chunks > 0.4 s stall timeout: only heartbeats (every ~0.13 s) keep it alive.
+    got = [c["i"] async for c in stream_request(bus.nc, responder.subject, {"n": 3, "interval": 0.5},
+                                                 stall_timeout=0.4)]
+    assert got == [0, 1, 2]
+
+
+async def test_gap_detected(bus: BusContext) -> None:
+    subj = bus.subjects.echo("gappy")
+
+    async def on_req(msg):  # type: ignore[no-untyped-def]
+        for seq in (1, 3):
+            await bus.nc.publish(msg.reply, codec.encode({"i": seq}), headers={S.SEQ: str(seq)})
+
+    await bus.nc.subscribe(subj, cb=on_req)
+    await bus.nc.flush()
+    got = []
+    with pytest.raises(StreamGap):
+        async for c in stream_request(bus.nc, subj, {}, msgpack=False):
+            got.append(c)
+    assert got == [{"i": 1}]
+
+
+async def test_error_message_is_typed(bus: BusContext) -> None:
+    subj = bus.subjects.echo("erring")
+
+    async def gen() -> AsyncIterator[dict[str, int]]:
+        yield {"i": 0}
+        raise BadRequest("bad thing")
+
+    async def on_req(msg):  # type: ignore[no-untyped-def]
+        asyncio.ensure_future(respond_stream(bus.nc, msg, gen()))
+
+    await bus.nc.subscribe(subj, cb=on_req)
+    await bus.nc.flush()
+    got = []
+    with pytest.raises(BadRequest, match="bad thing"):
+        async for c in stream_request(bus.nc, subj, {}):
+            got.append(c)
+    assert got == [{"i": 0}]
+
+    async def gen500() -> AsyncIterator[dict[str, int]]:
+        raise KeyError("oops")
+        yield {}
+
+    subj2 = bus.subjects.echo("erring500")
+
+    async def on_req2(msg):  # type: ignore[no-untyped-def]
+        asyncio.ensure_future(respond_stream(bus.nc, msg, gen500()))
+
+    await bus.nc.subscribe(subj2, cb=on_req2)
+    await bus.nc.flush()
+    with pytest.raises(RemoteError) as ei:
+        async for _ in stream_request(bus.nc, subj2, {}):
+            pass
+    assert ei.value.code == 500
+
+
+RESPONDER = r"""
+import asyncio, sys
+from bus.connection import connect
+from bus.rpc import respond_stream
+
+async def main(url, subject):
+    nc = await connect(url, "killable-responder")
+    async def gen():
+        i = 0
+        while True:
+            yield {"i": i}
+            i += 1
+            await asyncio.sleep(0.05)
+    async def on_req(msg):
+        asyncio.ensure_future(respond_stream(nc, msg, gen(), instance="victim"))
+    await nc.subscribe(subject, cb=on_req)
+    await nc.flush()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_killed_responder_process_is_a_stall(bus: BusContext, nats_server) -> None:  # type: ignore[no-untyped-def]
+    subj = bus.subjects.echo("victim")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", RESPONDER, nats_server.url, subj], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)  # type: ignore[union-attr]
+        assert line.strip() == b"ready"
+        stall = 1.0
+        call = stream_request(bus.nc, subj, {}, stall_timeout=stall)
+        seen = 0
+        killed_at = 0.0
+        with pytest.raises(StreamStalled):
+            async for _ in call:
+                seen += 1
+                if seen == 5:
+                    proc.kill()
+                    killed_at = time.monotonic()
+        elapsed = time.monotonic() - killed_at
+        assert call.instance == "victim"
+        # The stall is reported one stall timeout after the last message (plus scheduling slack).
+        assert stall * 0.5 <= elapsed < stall * 4
+    finally:
+        proc.kill()
+        proc.wait()
