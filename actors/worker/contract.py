@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from actors.engines.protocol import EngineOutput, SamplingOptions
+from actors.engines.protocol import EngineOutput, KvEventSource, SamplingOptions
 
 
 class PrefillResult(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -80,6 +80,8 @@ class HealthReply(msgspec.Struct, kw_only=True):
     num_waiting: int = 0
     kv_usage: float = 0.0
     message: str = ""
+    in_flight: int = 0  # generate requests in the engine actor
+    stalled_for: float = 0.0  # seconds without any engine output while requests are in flight
 
 
 class LoraSource(msgspec.Struct, kw_only=True):
@@ -100,6 +102,59 @@ class LoraInfo(msgspec.Struct, kw_only=True):
     lora_id: int
     path: str
     uri: str
+
+
+class EngineLoraAdd(msgspec.Struct, kw_only=True):
+    """LoRA manager → engine actor (verb ENGINE_LORA_ADD): put an adapter into the engine."""
+
+    lora_name: str
+    lora_id: int
+    path: str
+
+
+class EngineLoraRemove(msgspec.Struct, kw_only=True):
+    """LoRA manager → engine actor (verb ENGINE_LORA_REMOVE)."""
+
+    lora_name: str
+
+
+class EngineLoraList(msgspec.Struct, kw_only=True):
+    """Reply of ENGINE_LORA_LIST: adapters the engine actor resolves ``lora_name`` against."""
+
+    adapters: list[EngineLoraAdd] = []
+
+
+# Control verbs of the engine actor, for ``Subjects.worker(instance, verb)``.
+VERB_SLEEP = "sleep"
+VERB_WAKE_UP = "wake_up"
+VERB_CLEAR_KV_BLOCKS = "clear_kv_blocks"
+VERB_HEALTH = "health"
+VERB_CANCEL = "cancel"
+VERB_STATS = "stats"
+# Engine-side adapter endpoints used by the LoRA manager (the user-facing verbs are lora.load|unload|list).
+ENGINE_LORA_ADD = "engine.lora_add"
+ENGINE_LORA_REMOVE = "engine.lora_remove"
+ENGINE_LORA_LIST = "engine.lora_list"
+# Engine facts the KV publisher needs (ZMQ endpoints per DP rank and the engine's block size).
+ENGINE_KV_SOURCES = "engine.kv_sources"
+# Health monitor: its verdict (liveness probe results) for the status server.
+VERB_LIVENESS = "liveness"
+
+
+class EngineKvSources(msgspec.Struct, kw_only=True):
+    """Reply of ENGINE_KV_SOURCES (empty ``sources`` for decode workers / events off)."""
+
+    block_size: int
+    sources: list[KvEventSource] = []
+
+
+class LivenessReply(msgspec.Struct, kw_only=True):
+    """The health monitor's verdict on its engine (readiness for /health)."""
+
+    status: Literal["ok", "failing", "starting"]
+    last_ok: float = 0.0  # wall-clock time of the last passing check + probe
+    failures: int = 0
+    message: str = ""
 
 
 class LoadReport(msgspec.Struct, kw_only=True):
@@ -154,3 +209,16 @@ def output_to_chunk(out: EngineOutput, index: int = 0) -> GenerateChunk:
                          finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                          num_prompt_tokens=out.num_prompt_tokens, cached_tokens=out.cached_tokens,
                          kv_transfer_params=out.kv_transfer_params, index=index)
+
+
+class LoraRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Value in ns-loras, key ``<worker instance>.<lora_name>``: an adapter and where it is loaded."""
+
+    lora_name: str
+    lora_id: int
+    path: str
+    uri: str
+    instance: str  # the worker (engine actor) instance that serves it
+    model: str  # base model's served name
+    pool: str = ""
+    host: str = ""

@@ -1,0 +1,69 @@
+"""Build an Engine (mocker or vLLM) from a pool's config.
+
+Imports are lazy so a mocker worker never imports vllm (seconds of start-up and a GiB of RSS).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from actors.engines.protocol import Engine
+from supervisors.topology import ModelConfig, PoolConfig
+
+log = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _kw(cls: Any, candidates: dict[str, Any]) -> dict[str, Any]:
+    """Keep the keyword arguments the engine class accepts (the engines evolve independently)."""
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return candidates
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return candidates
+    return {k: v for k, v in candidates.items() if k in params}
+
+
+def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port: int | None = None,
+                 seed: int | None = None) -> Engine:
+    """A fresh, not yet started engine for ``pool``. Decode workers publish no KV events."""
+    served = model.name if model else "model"
+    args: dict[str, Any] = dict(pool.engine_args)
+    if model is not None and model.context_length is not None:
+        args.setdefault("max_model_len", model.context_length)
+    if pool.role != "decode" and kv_events_port is None:
+        kv_events_port = free_port()
+    if pool.role == "decode":
+        kv_events_port = None
+    if pool.engine == "mocker":
+        from actors.engines.mocker import MockerEngine
+
+        kw = _kw(MockerEngine, {"role": pool.role, "served_model_name": served,
+                                "kv_events_port": kv_events_port, "seed": seed})
+        return MockerEngine(args, **kw)
+    from actors.engines.vllm_engine import VllmEngine
+
+    if model is not None:  # the mocker takes no model path: it has no weights
+        args.setdefault("model", model.path)
+        if model.tokenizer:
+            args.setdefault("tokenizer", model.tokenizer)
+    if pool.prompt_embeds:
+        args.setdefault("enable_prompt_embeds", True)
+    kw = _kw(VllmEngine, {"role": pool.role, "served_model_name": served,
+                          "kv_events_port": kv_events_port, "env": dict(pool.env)})
+    return VllmEngine(args, **kw)
+
+
+def factory_for(pool: PoolConfig, model: ModelConfig | None, *, seed: int | None = None) -> Callable[[], Engine]:
+    """A zero-argument builder: each restart of the engine actor gets a fresh engine (and port)."""
+    return lambda: build_engine(pool, model, seed=seed)

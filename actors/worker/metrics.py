@@ -1,0 +1,118 @@
+"""Prometheus metrics of one worker, and the load reports the router and planner read.
+
+Each ``WorkerMetrics`` owns its own CollectorRegistry, so several engine actors in one test process
+do not collide on metric names. ``render()`` exports that registry together with vLLM's own
+``vllm:*`` series: from the global registry in-process, or — when ``PROMETHEUS_MULTIPROC_DIR`` is set
+(several processes share one scrape target) — through prometheus_client's MultiProcessCollector.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from actors.engines.protocol import EngineStats
+from actors.worker.contract import LoadReport
+
+_DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class WorkerMetrics:
+    """Request and KV metrics of one worker (labelled with its instance and model)."""
+
+    def __init__(self, instance: str, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.instance = instance
+        self.model = model
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        base = ["instance", "model", "endpoint"]
+        self.requests = Counter("worker_requests", "Requests handled, by endpoint and status",
+                                [*base, "status"], registry=r)
+        self.duration = Histogram("worker_request_duration_seconds", "Request duration by endpoint",
+                                  base, buckets=_DURATION_BUCKETS, registry=r)
+        self.in_flight = Gauge("worker_requests_in_flight", "Requests being handled", base, registry=r)
+        self.cancellations = Counter("worker_cancellations", "Requests aborted before finishing",
+                                     [*base, "reason"], registry=r)
+        kv = ["instance", "model", "dp_rank"]
+        self.kv_total = Gauge("worker_kv_total_blocks", "KV cache blocks in the pool", kv, registry=r)
+        self.kv_usage = Gauge("worker_kv_usage", "KV cache usage fraction (0..1)", kv, registry=r)
+        self.kv_active = Gauge("worker_kv_active_blocks", "KV blocks held by requests", kv, registry=r)
+        self.prefix_hit_rate = Gauge("worker_prefix_cache_hit_rate", "Prefix cache hit rate (cumulative)",
+                                     kv, registry=r)
+        self.num_running = Gauge("worker_num_running", "Running requests in the scheduler", kv, registry=r)
+        self.num_waiting = Gauge("worker_num_waiting", "Waiting requests in the scheduler", kv, registry=r)
+
+    def _labels(self, endpoint: str) -> dict[str, str]:
+        return {"instance": self.instance, "model": self.model, "endpoint": endpoint}
+
+    @contextmanager
+    def track(self, endpoint: str) -> Iterator[None]:
+        """Count one request: in-flight while inside, duration and status on exit."""
+        labels = self._labels(endpoint)
+        self.in_flight.labels(**labels).inc()
+        t0 = time.monotonic()
+        status = "ok"
+        try:
+            yield
+        except GeneratorExit:
+            status = "cancelled"
+            raise
+        except BaseException as e:  # noqa: B036 - status label only; always re-raised
+            status = type(e).__name__
+            raise
+        finally:
+            self.in_flight.labels(**labels).dec()
+            self.duration.labels(**labels).observe(time.monotonic() - t0)
+            self.requests.labels(**labels, status=status).inc()
+
+    def cancelled(self, endpoint: str, reason: str) -> None:
+        """reason: "cancel" (explicit), "caller_gone", "shutdown", "engine_dead", "sleep"."""
+        self.cancellations.labels(**self._labels(endpoint), reason=reason).inc()
+
+    def update_engine(self, stats: list[EngineStats]) -> None:
+        for s in stats:
+            kv = {"instance": self.instance, "model": self.model, "dp_rank": str(s.dp_rank)}
+            self.kv_total.labels(**kv).set(s.total_kv_blocks)
+            self.kv_usage.labels(**kv).set(s.kv_usage)
+            self.kv_active.labels(**kv).set(s.active_kv_blocks)
+            self.prefix_hit_rate.labels(**kv).set(s.prefix_hit_rate)
+            self.num_running.labels(**kv).set(s.num_running)
+            self.num_waiting.labels(**kv).set(s.num_waiting)
+
+    def render(self) -> tuple[bytes, str]:
+        """Body and content type for /metrics: ours plus vLLM's own series."""
+        return generate_latest(self.registry) + engine_metrics(), CONTENT_TYPE_LATEST
+
+
+def engine_metrics() -> bytes:
+    """vLLM's (and anything else's) metrics in the default registry, multiprocess-safe."""
+    mp_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if mp_dir and os.path.isdir(mp_dir):
+        from prometheus_client import multiprocess
+
+        reg = CollectorRegistry()
+        multiprocess.MultiProcessCollector(reg, path=mp_dir)
+        return generate_latest(reg)
+    return generate_latest(REGISTRY)
+
+
+def load_reports(instance: str, stats: list[EngineStats], now: float | None = None) -> list[LoadReport]:
+    """One LoadReport per DP rank from the engine's latest stats."""
+    ts = time.time() if now is None else now
+    return [LoadReport(instance=instance, dp_rank=s.dp_rank, num_running=s.num_running,
+                       num_waiting=s.num_waiting, kv_usage=s.kv_usage,
+                       active_kv_blocks=s.active_kv_blocks, total_kv_blocks=s.total_kv_blocks,
+                       prefix_hit_rate=s.prefix_hit_rate, ts=ts)
+            for s in stats]

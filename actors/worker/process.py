@@ -1,0 +1,212 @@
+"""One worker OS process: ``python -m actors.worker.process --topology PATH --pool NAME --replica I``.
+
+Inside: one NATS connection, a worker Supervisor (``rest_for_one`` by default) with
+  engine actor → [ENGINE_DEPENDANTS: KV publisher, LoRA manager, ...] → health monitor,
+served as a micro service on ``ns.supervisor.<host>.<worker-node>.*`` (so the health monitor's
+``escalate`` reaches it), an optional status HTTP server, and sd_notify READY=1 to the parent once
+every child (the engine included) is up. Exits 1 when the worker supervisor gives up, so the host's
+root supervisor restarts the whole process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import logging
+import os
+import secrets
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from actors.engines.protocol import Engine
+from actors.worker import contract as C
+from actors.worker.contract import HealthReply, LivenessReply
+from actors.worker.engine_actor import EngineActor
+from actors.worker.engine_factory import factory_for
+from actors.worker.health import HealthMonitor
+from actors.worker.metrics import engine_metrics
+from actors.worker.status_http import StatusServer
+from bus import rpc
+from bus.context import BusContext, open_context
+from supervisors.child import ChildSpec
+from supervisors.sdnotify import Notifier, serve_root
+from supervisors.supervisor import Supervisor
+from supervisors.topology import PoolConfig, Topology
+from supervisors.topology_loader import TopologyError, load_topology
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+@dataclass
+class WorkerEnv:
+    """What a child factory of the worker gets to build its actor."""
+
+    ctx: BusContext  # the process's connection (use ctx.child() per actor)
+    topology: Topology
+    pool_name: str
+    pool: PoolConfig
+    replica: int
+    instance: str  # the engine actor's instance id (stable across engine restarts in this process)
+    node: str  # the worker supervisor's node name
+    engine_actor: EngineActor | None = None  # the current engine actor (for /metrics only)
+
+
+ChildFactory = Callable[[WorkerEnv], ChildSpec | None]
+
+# Actors that depend on the engine and therefore sit *after* it in rest_for_one order (an engine
+# restart restarts them too), in this order. Each module opts in by defining
+# ``worker_child(env: WorkerEnv) -> ChildSpec | None`` (None: not for this pool, e.g. no KV publisher
+# on decode workers); a module that does not exist yet, or has no such function, is skipped.
+ENGINE_DEPENDANT_MODULES = ("actors.kv.publisher", "actors.worker.lora_actor", "actors.worker.checkpoint_actor")
+# Factories added programmatically (tests, embedding applications) after the modules above.
+ENGINE_DEPENDANTS: list[ChildFactory] = []
+
+
+def dependant_factories() -> list[ChildFactory]:
+    out: list[ChildFactory] = []
+    for name in ENGINE_DEPENDANT_MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+            continue
+        fn = getattr(mod, "worker_child", None)
+        if callable(fn):
+            out.append(fn)
+    return out + ENGINE_DEPENDANTS
+
+
+def build_children(env: WorkerEnv, engine_factory: Callable[[], Engine] | None = None) -> list[ChildSpec]:
+    t, pool = env.topology, env.pool
+    factory = engine_factory or factory_for(pool, t.model, seed=env.replica)
+    model = t.model.name if t.model else ""
+    escalate = env.ctx.subjects.supervisor_node(env.ctx.host, env.node, "escalate")
+
+    def engine() -> EngineActor:
+        env.engine_actor = EngineActor(env.ctx.child(), pool_name=env.pool_name, pool=pool, model=t.model,
+                                       engine_factory=factory, instance=env.instance)
+        return env.engine_actor
+
+    def health() -> HealthMonitor:
+        return HealthMonitor(env.ctx.child(), engine_instance=env.instance, pool_name=env.pool_name,
+                             config=pool.health, escalate_subject=escalate, child_id="engine",
+                             role=pool.role, model=model)
+
+    shutdown = pool.supervisor.shutdown_timeout + pool.sleep.drain_timeout
+    specs = [ChildSpec("engine", engine, "permanent", shutdown, meta={"instance": env.instance})]
+    for make in dependant_factories():
+        spec = make(env)
+        if spec is not None:
+            specs.append(spec)
+    specs.append(ChildSpec("health", health, "permanent", 5.0))
+    return specs
+
+
+def ready_check(env: WorkerEnv) -> Callable[[], Any]:
+    """/health: ready when the engine answers healthy and the health monitor is satisfied."""
+    nc, sj = env.ctx.nc, env.ctx.subjects
+
+    async def check() -> tuple[bool, dict[str, Any]]:
+        h = await rpc.request(nc, sj.worker(env.instance, C.VERB_HEALTH), {}, timeout=5.0, reply_type=HealthReply)
+        detail: dict[str, Any] = {"instance": env.instance, "engine": h.status}
+        ok = h.status == "healthy"
+        try:
+            lv = await rpc.request(nc, sj.worker(env.instance, C.VERB_LIVENESS), {}, timeout=2.0,
+                                   reply_type=LivenessReply)
+            detail["liveness"] = lv.status
+            ok = ok and lv.status == "ok"
+        except Exception as e:  # noqa: BLE001 - no monitor answer yet: not ready
+            detail["liveness"] = f"unavailable: {e}"
+            ok = False
+        return ok, detail
+
+    return check
+
+
+async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio.Event | None = None,
+                     notifier: Notifier | None = None,
+                     engine_factory: Callable[[], Engine] | None = None) -> int:
+    pool = t.pools[pool_name]
+    node = f"worker-{pool_name}-{replica}"
+    instance = f"{pool_name}-{replica}-{secrets.token_hex(3)}"
+    ctx = await open_context(t.bus, t.namespace, pool.host, f"vllm-actors:{t.namespace}:{node}:{os.getpid()}")
+    env = WorkerEnv(ctx, t, pool_name, pool, replica, instance, node)
+    sc = pool.supervisor
+    sup = Supervisor(node, build_children(env, engine_factory), strategy=sc.strategy, intensity=sc.intensity,
+                     period=sc.period, backoff=sc.backoff)
+    from supervisors.service import SupervisorService  # H2's micro service for the supervisor
+
+    service = SupervisorService(ctx, sup, node=node)
+    await service.start()
+    status: StatusServer | None = None
+    if pool.status_port is not None:
+        def render() -> tuple[bytes, str]:
+            a = env.engine_actor
+            return a.metrics.render() if a is not None else (engine_metrics(), CONTENT_TYPE_LATEST)
+
+        status = StatusServer(pool.status_port + replica if pool.status_port else 0, ready_check(env), render,
+                              endpoints=lambda: [ctx.subjects.generate(pool_name),
+                                                 ctx.subjects.generate_instance(pool_name, instance)])
+        await status.start()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    log.info("worker %s: instance %s, pool %s (%s, %s engine)", node, instance, pool_name, pool.role, pool.engine)
+    try:
+        code = await serve_root(sup, stop, notifier, shutdown_timeout=sc.shutdown_timeout + pool.sleep.drain_timeout)
+    finally:
+        if status is not None:
+            await status.stop()
+        await service.stop()
+        await ctx.close()
+    return EXIT_OK if code == 0 else EXIT_FAILED
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m actors.worker.process", description=__doc__.splitlines()[0])
+    p.add_argument("--topology", required=True, help="topology TOML file")
+    p.add_argument("--pool", required=True, help="pool name in the topology")
+    p.add_argument("--replica", type=int, default=0, help="replica index in the pool")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a topology value (repeatable), e.g. pools.agg.engine=mocker")
+    p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [{args.pool}-{args.replica}] %(name)s: %(message)s")
+    try:
+        t = load_topology(args.topology, args.overrides)
+    except TopologyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.pool not in t.pools:
+        print(f"error: no pool {args.pool!r} in {args.topology} (pools: {', '.join(t.pools) or 'none'})",
+              file=sys.stderr)
+        return EXIT_USAGE
+    if not 0 <= args.replica < max(1, t.pools[args.pool].replicas):
+        print(f"error: replica {args.replica} out of range for pool {args.pool}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        import uvloop
+        return uvloop.run(run_worker(t, args.pool, args.replica))
+    except ImportError:
+        return asyncio.run(run_worker(t, args.pool, args.replica))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

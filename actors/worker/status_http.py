@@ -1,0 +1,73 @@
+"""Per-worker-process status server (aiohttp): /health, /live, /metrics.
+
+/health answers 503 until the worker is ready (engine up, health monitor satisfied), then 200 with
+``{status, endpoints, uptime}``; /live answers 200 while the event loop turns (a hung engine does not
+make the process dead — that is the health monitor's job); /metrics is Prometheus text.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+ReadyCheck = Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]
+MetricsRender = Callable[[], tuple[bytes, str]]
+
+
+class StatusServer:
+    def __init__(self, port: int, ready: ReadyCheck, metrics: MetricsRender, *,
+                 host: str = "0.0.0.0", endpoints: Callable[[], list[str]] | None = None) -> None:
+        self.port = port
+        self.host = host
+        self._ready = ready
+        self._metrics = metrics
+        self._endpoints = endpoints or (lambda: [])
+        self._runner: web.AppRunner | None = None
+        self.started = time.monotonic()
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/live", self._live)
+        app.router.add_get("/metrics", self._metrics_h)
+        return app
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        if self.port == 0 and site._server is not None:  # tests: learn the bound port
+            sockets = getattr(site._server, "sockets", None) or []
+            if sockets:
+                self.port = sockets[0].getsockname()[1]
+        log.info("status server on %s:%d", self.host, self.port)
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, _req: web.Request) -> web.Response:
+        try:
+            ok, detail = await self._ready()
+        except Exception as e:  # noqa: BLE001 - a failing check means not ready, not a 500
+            ok, detail = False, {"message": f"{type(e).__name__}: {e}"}
+        body = {"status": "healthy" if ok else "notready", "endpoints": self._endpoints(),
+                "uptime": round(time.monotonic() - self.started, 3), **detail}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def _live(self, _req: web.Request) -> web.Response:
+        return web.json_response({"status": "alive", "uptime": round(time.monotonic() - self.started, 3)})
+
+    async def _metrics_h(self, _req: web.Request) -> web.Response:
+        body, ctype = self._metrics()
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = ctype
+        return resp

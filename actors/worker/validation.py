@@ -1,0 +1,126 @@
+"""Validation of a GenerateRequest before it reaches the engine (pure functions, no NATS).
+
+Every failure is a typed ActorError (BadRequest 400, NotFound 404) so the caller gets a clear
+message and the engine never sees a request it would choke on.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+from typing import Any
+
+import msgspec
+
+from actors.engines.protocol import (
+    EmbedsPrompt,
+    ModelFacts,
+    Prompt,
+    SamplingOptions,
+    TextPrompt,
+    TokensPrompt,
+)
+from actors.worker.contract import GenerateRequest
+from bus.errors import BadRequest
+
+# Bound on the base64 payload of prompt_embeds (the bus limit is usually smaller anyway).
+MAX_EMBEDS_B64 = 64 << 20
+
+
+def context_length_message(max_len: int, prompt_tokens: int, max_tokens: int) -> str:
+    """vLLM's wording, so OpenAI clients see the message they already know."""
+    return (f"This model's maximum context length is {max_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+            f"completion). Please reduce the length of the messages or completion.")
+
+
+def check_context(max_len: int, prompt_tokens: int, max_tokens: int) -> None:
+    if prompt_tokens + max_tokens > max_len:
+        raise BadRequest(context_length_message(max_len, prompt_tokens, max_tokens))
+
+
+def check_sampling(s: SamplingOptions) -> None:
+    if s.max_tokens < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {s.max_tokens}")
+    if s.temperature < 0:
+        raise BadRequest(f"temperature must be non-negative, got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {s.top_p}")
+    if s.min_tokens < 0 or s.min_tokens > s.max_tokens:
+        raise BadRequest(f"min_tokens must be in [0, max_tokens], got {s.min_tokens}")
+    if s.logprobs is not None and s.logprobs < 0:
+        raise BadRequest(f"logprobs must be non-negative, got {s.logprobs}")
+
+
+def decode_prompt_embeds(data: str, hidden_size: int | None) -> Any:
+    """base64 of a ``torch.save``'d 2-D tensor [seq, hidden] → the tensor (weights_only load)."""
+    if len(data) > MAX_EMBEDS_B64:
+        raise BadRequest(f"prompt_embeds too large ({len(data)} base64 bytes)")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise BadRequest(f"prompt_embeds is not valid base64: {e}") from None
+    import torch  # lazy: only workers with prompt_embeds enabled pay for it
+
+    try:
+        tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any unpickling failure is the caller's bad input
+        raise BadRequest(f"prompt_embeds is not a torch.save'd tensor: {e}") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise BadRequest(f"prompt_embeds must hold a tensor, got {type(tensor).__name__}")
+    if tensor.dim() != 2:
+        raise BadRequest(f"prompt_embeds must be 2-D [seq, hidden], got shape {list(tensor.shape)}")
+    if tensor.shape[0] == 0:
+        raise BadRequest("prompt_embeds has no rows")
+    if hidden_size is not None and tensor.shape[1] != hidden_size:
+        raise BadRequest(f"prompt_embeds hidden size {tensor.shape[1]} does not match the model's "
+                         f"{hidden_size}")
+    if not tensor.is_floating_point():
+        raise BadRequest(f"prompt_embeds must be a floating-point tensor, got {tensor.dtype}")
+    return tensor
+
+
+def build_prompt(req: GenerateRequest, facts: ModelFacts, embeds_enabled: bool) -> tuple[Prompt, int | None]:
+    """The engine prompt and its token count (None when unknown before tokenization: text mode)."""
+    given = [name for name in ("token_ids", "prompt", "prompt_embeds") if getattr(req, name) is not None]
+    if len(given) != 1:
+        raise BadRequest("give exactly one of token_ids, prompt, prompt_embeds"
+                         + (f" (got {', '.join(given)})" if given else ""))
+    if req.token_ids is not None:
+        if not req.token_ids:
+            raise BadRequest("token_ids is empty")
+        vocab = facts.vocab_size
+        if vocab is not None:
+            bad = [t for t in req.token_ids if t < 0 or t >= vocab]
+            if bad:
+                raise BadRequest(f"token id {bad[0]} out of range [0, {vocab})")
+        elif any(t < 0 for t in req.token_ids):
+            raise BadRequest("token ids must be non-negative")
+        return TokensPrompt(token_ids=list(req.token_ids)), len(req.token_ids)
+    if req.prompt is not None:
+        if not req.prompt:
+            raise BadRequest("prompt is empty")
+        return TextPrompt(text=req.prompt), None
+    if not embeds_enabled:
+        raise BadRequest("prompt_embeds is not enabled for this pool (set prompt_embeds = true)")
+    tensor = decode_prompt_embeds(req.prompt_embeds or "", facts.hidden_size)
+    n = int(tensor.shape[0])
+    return EmbedsPrompt(tensor=tensor, num_tokens=n), n
+
+
+def role_sampling(role: str, sampling: SamplingOptions) -> SamplingOptions:
+    """Prefill workers compute the prompt's KV and one token; the decode worker does the rest."""
+    if role == "prefill":
+        return msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0)
+    return sampling
+
+
+def kv_params_for(role: str, req: GenerateRequest) -> dict[str, Any] | None:
+    """Decode: merge the prefill's kv_transfer_params (then any raw override on top)."""
+    params: dict[str, Any] = {}
+    if role == "decode" and req.prefill_result and req.prefill_result.kv_transfer_params:
+        params.update(req.prefill_result.kv_transfer_params)
+    if req.kv_transfer_params:
+        params.update(req.kv_transfer_params)
+    return params or None
