@@ -1,0 +1,63 @@
+"""Run one frontend on an existing bus (benchmarks, or a frontend-only host):
+
+    python -m actors.frontend --nats nats://127.0.0.1:4222 --namespace dynamo \\
+        [--http 127.0.0.1:8000] [--router round_robin] [--model tiny --model-path tiny]
+
+The supervisor starts FrontendActor itself from the topology; this entry is for running it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from bus.context import open_context
+from supervisors.topology import FrontendConfig, ModelConfig
+
+from .actor import FrontendActor
+
+
+async def amain(args: argparse.Namespace) -> None:
+    bus = await open_context(args.nats, namespace=args.namespace, host=args.host, name="frontend")
+    mc = ModelConfig(name=args.model, path=args.model_path or args.model,
+                     migration_limit=args.migration_limit) if args.model else None
+    cfg = FrontendConfig(http=args.http, router=args.router, api_key=args.api_key,
+                         stall_timeout=args.stall_timeout)
+    fe = FrontendActor(bus, config=cfg, model_config=mc)
+    await fe.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await fe.stop(5.0)
+    await bus.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m actors.frontend")
+    p.add_argument("--nats", default="nats://127.0.0.1:4222")
+    p.add_argument("--namespace", default="dynamo")
+    p.add_argument("--host", default="local")
+    p.add_argument("--http", default="127.0.0.1:8000")
+    p.add_argument("--router", default="round_robin", choices=["round_robin", "random", "direct"])
+    p.add_argument("--model", default=None, help="served name whose tokenizer is configured here")
+    p.add_argument("--model-path", default=None, help="tokenizer/model dir ('tiny' = the tiny model)")
+    p.add_argument("--migration-limit", type=int, default=3)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--stall-timeout", type=float, default=10.0)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency; keep running on asyncio if it is missing
+        asyncio.run(amain(args))
+    else:
+        uvloop.run(amain(args))
+
+
+if __name__ == "__main__":
+    main()

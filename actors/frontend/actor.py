@@ -1,0 +1,135 @@
+"""FrontendActor: the OpenAI HTTP server as a supervised actor on the bus.
+
+It watches the registry (ns-instances, ns-models, ns-loras) into a WorkerSet, serves HTTP on
+``FrontendConfig.http`` and registers a micro service (``nats micro info frontend``) whose
+``status`` endpoint reports what it sees, plus an instance record in ns-instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+from actors.base import Actor, Endpoint
+from bus.context import BusContext
+from bus.registry import Registry
+from supervisors.topology import FrontendConfig, ModelConfig
+
+from .app import FrontendApp
+from .client import WorkerClient
+from .discovery import WorkerSet, watch_into
+from .metrics import FrontendMetrics
+from .routing import Router, make_router
+
+log = logging.getLogger(__name__)
+
+
+def split_hostport(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
+class FrontendActor(Actor):
+    kind: ClassVar[str] = "frontend"
+    description: ClassVar[str] = "OpenAI-compatible HTTP frontend"
+
+    def __init__(self, bus: BusContext, *, config: FrontendConfig | None = None,
+                 model_config: ModelConfig | None = None, instance: str | None = None,
+                 kv_factory: Callable[[WorkerSet, BusContext], Router] | None = None,
+                 registry_ttl: float | None = None, **kw: Any) -> None:
+        self.config = config or FrontendConfig()
+        self.model_config = model_config
+        super().__init__(bus, instance=instance, role="frontend",
+                         model=model_config.name if model_config else "", **kw)
+        if registry_ttl is not None:
+            self.registry_ttl = registry_ttl
+        self.workers = WorkerSet()
+        self.metrics = FrontendMetrics()
+        self._kv_factory = kv_factory
+        self.app: FrontendApp | None = None
+        self._runner: web.AppRunner | None = None
+        self._watchers: list[asyncio.Task[None]] = []
+        self.port: int | None = None
+
+    # --- actor hooks -----------------------------------------------------------------------------------
+    def endpoints(self) -> list[Endpoint]:
+        return [Endpoint("status", self.bus.subjects.actor(self.kind, self.instance, "status"),
+                         self._status, queue_group=None, bounded=False)]
+
+    async def _status(self, req: Any, headers: Any) -> dict[str, Any]:
+        return {"instance": self.instance, "http": self.config.http, "port": self.port,
+                "router": self.config.router, "models": sorted(self.workers.models),
+                "loras": sorted(self.workers.loras),
+                "workers": [w.instance for w in self.workers.ready_instances()]}
+
+    def statistics(self) -> dict[str, Any]:
+        return {"models": len(self.workers.models), "workers": len(self.workers.ready_instances()),
+                "http": self.config.http}
+
+    def record(self) -> dict[str, Any]:
+        rec = dict(super().record())  # type: ignore[arg-type]
+        rec["generate_subject"] = None
+        return {k: v for k, v in rec.items() if v is not None}
+
+    async def on_start(self) -> None:
+        ws = self.workers
+        subj = self.bus.subjects
+        for bucket, put, delete in ((subj.bucket_instances, ws.put_instance, ws.delete_instance),
+                                    (subj.bucket_models, ws.put_model, ws.delete_model),
+                                    (subj.bucket_loras, ws.put_lora, ws.delete_lora)):
+            reg = Registry(self.bus.js, bucket, self.registry_ttl)
+            await reg.ensure()
+            self._watchers.append(asyncio.create_task(self._watch(reg, put, delete),
+                                                      name=f"frontend-watch-{bucket}"))
+        kv = None
+        if self._kv_factory is not None:
+            factory = self._kv_factory
+            kv = lambda: factory(ws, self.bus)  # noqa: E731
+        router = make_router(self.config.router, kv_factory=kv)
+        client = WorkerClient(self.bus.nc, self.config.stall_timeout)
+        self.app = FrontendApp(workers=ws, router=router, opener=client.stream, config=self.config,
+                               model_config=self.model_config, metrics=self.metrics)
+        self._runner = web.AppRunner(self.app.build(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        host, port = split_hostport(self.config.http)
+        site = web.TCPSite(self._runner, host, port, backlog=1024, reuse_address=True)
+        try:
+            await site.start()
+        except OSError:
+            await self._cleanup()
+            raise
+        server = site._server
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else port
+        log.info("frontend %s serving OpenAI API on http://%s:%d/v1 (router %s)", self.instance, host,
+                 self.port, router.name)
+
+    async def on_stop(self) -> None:
+        await self._cleanup()
+
+    async def _cleanup(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        for t in self._watchers:
+            t.cancel()
+        await asyncio.gather(*self._watchers, return_exceptions=True)
+        self._watchers.clear()
+
+    async def _watch(self, reg: Registry, put: Callable[[str, bytes], None],
+                     delete: Callable[[str], None]) -> None:
+        """Watch forever; a broken watch (reconnect, bucket recreated) restarts after a pause."""
+        delay = 0.5
+        while True:
+            try:
+                await watch_into(reg.watch(), put, delete, reg.bucket)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning("watch of %s failed (%s); retrying in %.1fs", reg.bucket, e, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)

@@ -1,0 +1,225 @@
+"""One completion from the workers: disaggregation, routing and migration (no HTTP, no NATS).
+
+``CompletionFlow.chunks()`` yields ``GenerateChunk`` deltas as one unbroken stream. Behind it:
+- disaggregated models: a prefill worker runs the prompt with max_tokens=1 and returns
+  kv_transfer_params; a decode worker then streams with that ``prefill_result``. No prefill worker
+  (or a failed prefill) → decode-only when the topology allows it.
+- migration: a stream that ends without a finish reason (worker died, stalled, lost chunks, or
+  became unreachable) is re-sent to another worker with the produced tokens appended to the prompt
+  and max_tokens reduced, up to ``migration_limit`` times; after that the error is raised.
+Closing the generator closes the worker stream, which publishes the cancel to the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+
+from actors.engines.protocol import SamplingOptions
+from actors.worker.contract import GenerateChunk, GenerateRequest, PrefillResult
+from bus.errors import ActorError, EngineDead, Overloaded, TransportError
+
+from .discovery import ModelEntry, Worker, WorkerSet
+from .routing import Router
+
+log = logging.getLogger(__name__)
+
+# Errors after which the same request can be re-sent elsewhere (the worker, not the request, failed).
+MIGRATABLE = (TransportError, EngineDead, Overloaded)
+
+
+class WorkerStream(Protocol):
+    instance: str | None
+
+    def __aiter__(self) -> Any: ...
+
+    async def aclose(self) -> None: ...
+
+
+Opener = Callable[[Worker, GenerateRequest], WorkerStream]
+
+
+class MigrationExhausted(ActorError):
+    code = 500
+    kind = "internal_error"
+
+
+@dataclass
+class FlowSpec:
+    model: ModelEntry
+    request_id: str
+    sampling: SamplingOptions
+    token_ids: list[int] | None = None
+    prompt: str | None = None
+    lora: str | None = None
+    target: str | None = None  # x-worker-instance-id
+    allow_decode_only: bool = True
+    migration_limit: int = 3
+
+
+@dataclass
+class FlowState:
+    worker_instance: str | None = None
+    prefill_instance: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    migrations: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    failed: set[str] = field(default_factory=set)
+
+
+class CompletionFlow:
+    def __init__(self, spec: FlowSpec, workers: WorkerSet, router: Router, opener: Opener,
+                 on_migrate: Callable[[], None] | None = None) -> None:
+        self.spec = spec
+        self.workers = workers
+        self.router = router
+        self.opener = opener
+        self.on_migrate = on_migrate
+        self.state = FlowState(prompt_tokens=len(spec.token_ids) if spec.token_ids else 0)
+
+    # --- routing helpers ---------------------------------------------------------------------------
+    def _pool(self, role: str) -> list[Worker]:
+        name = self.spec.model.name
+        pool = self.workers.serving_workers(name) if role == "serve" else self.workers.workers(name, role)
+        if self.spec.lora and pool:
+            have = self.workers.lora_instances(self.spec.lora)
+            loaded = [w for w in pool if w.instance in have]
+            pool = loaded or pool  # not loaded anywhere yet: any worker (it loads on demand)
+        return pool
+
+    async def _prefill(self) -> PrefillResult | None:
+        spec, st = self.spec, self.state
+        pool = self._pool("prefill")
+        if not pool:
+            if spec.allow_decode_only:
+                return None
+            raise Overloaded(f"no prefill worker for model {spec.model.name} and decode-only is off")
+        worker = self.router.choose(pool, spec.token_ids, st.failed, request_id=f"{spec.request_id}-p")
+        sampling = msgspec.structs.replace(spec.sampling, max_tokens=1, min_tokens=0, logprobs=None,
+                                           stop=[], structured=None)
+        req = GenerateRequest(request_id=f"{spec.request_id}-p", token_ids=spec.token_ids,
+                              prompt=spec.prompt, sampling=sampling, lora_name=spec.lora)
+        last: GenerateChunk | None = None
+        try:
+            call = self.opener(worker, req)
+            try:
+                async for chunk in call:
+                    last = chunk
+            finally:
+                self.router.finished(f"{spec.request_id}-p")
+                await call.aclose()
+        except MIGRATABLE as e:
+            if spec.allow_decode_only:
+                log.warning("prefill on %s failed (%s); falling back to decode-only", worker.instance, e)
+                return None
+            raise
+        params = None
+        if last is not None:
+            if last.disaggregated_params is not None:
+                params = last.disaggregated_params.kv_transfer_params
+            params = params or last.kv_transfer_params
+        inst = call.instance or worker.instance
+        st.prefill_instance = inst
+        usage = last.usage if last is not None else None
+        if usage is not None:
+            st.cached_tokens = usage.cached_tokens
+            st.prompt_tokens = st.prompt_tokens or usage.prompt_tokens
+        return PrefillResult(kv_transfer_params=params, prefill_instance=inst,
+                             prompt_tokens=usage.prompt_tokens if usage else None,
+                             cached_tokens=usage.cached_tokens if usage else None)
+
+    # --- the stream ----------------------------------------------------------------------------------
+    async def chunks(self) -> AsyncIterator[GenerateChunk]:
+        spec, st = self.spec, self.state
+        prefill = await self._prefill() if spec.model.has_prefill_pool else None
+        produced: list[int] = []
+        produced_text: list[str] = []
+        target = spec.target
+        while True:
+            pool = self._pool("serve")
+            req = self._request(prefill, produced, produced_text)
+            router = self.router
+            worker = router.choose(pool, req.token_ids, st.failed, target=target, lora=spec.lora,
+                                   request_id=req.request_id)
+            call = self.opener(worker, req)
+            first = True
+            try:
+                async for chunk in call:
+                    st.worker_instance = call.instance or worker.instance
+                    self._account(chunk, first_attempt=not produced and st.migrations == 0)
+                    produced.extend(chunk.token_ids)
+                    if chunk.token_ids:
+                        router.tokens(req.request_id, len(chunk.token_ids), first)  # type: ignore[arg-type]
+                        first = False
+                    if chunk.text:
+                        produced_text.append(chunk.text)
+                    yield chunk
+                    if chunk.finish_reason is not None:
+                        return
+                # ended cleanly without a finish reason: the worker lost the request
+                err: ActorError = TransportError(f"stream from {worker.instance} ended without a finish reason")
+            except MIGRATABLE as e:
+                err = e
+            finally:
+                router.finished(req.request_id)  # type: ignore[arg-type]
+                await call.aclose()
+            st.failed.add(worker.instance)
+            remaining = spec.sampling.max_tokens - len(produced)
+            if st.migrations >= spec.migration_limit:
+                if not produced and st.migrations == 0 and isinstance(err, Overloaded):
+                    raise err
+                raise MigrationExhausted(f"worker {worker.instance} failed ({err}); "
+                                         f"migration limit {spec.migration_limit} reached")
+            if remaining <= 0:  # everything was produced, only the end marker was lost
+                st.finish_reason = "length"
+                yield GenerateChunk(finish_reason="length")
+                return
+            st.migrations += 1
+            target = None  # a pinned instance that failed cannot serve the rest
+            prefill = None  # the new worker recomputes the (prompt + produced) prefix itself
+            log.warning("request %s: migrating after %d tokens from %s (%s), attempt %d/%d",
+                        spec.request_id, len(produced), worker.instance, err, st.migrations,
+                        spec.migration_limit)
+            if self.on_migrate is not None:
+                self.on_migrate()
+
+    def _request(self, prefill: PrefillResult | None, produced: list[int],
+                 produced_text: list[str]) -> GenerateRequest:
+        spec = self.spec
+        sampling = spec.sampling
+        token_ids, prompt = spec.token_ids, spec.prompt
+        if produced:
+            sampling = msgspec.structs.replace(
+                sampling, max_tokens=sampling.max_tokens - len(produced),
+                min_tokens=max(0, sampling.min_tokens - len(produced)))
+            if token_ids is not None:
+                token_ids = token_ids + produced
+            elif prompt is not None:
+                prompt = prompt + "".join(produced_text)
+        suffix = f"-m{self.state.migrations}" if self.state.migrations else ""
+        return GenerateRequest(request_id=spec.request_id + suffix, token_ids=token_ids, prompt=prompt,
+                               sampling=sampling, lora_name=spec.lora, prefill_result=prefill)
+
+    def _account(self, chunk: GenerateChunk, first_attempt: bool) -> None:
+        st = self.state
+        st.completion_tokens += len(chunk.token_ids)
+        if first_attempt:
+            if chunk.num_prompt_tokens and not st.prompt_tokens:
+                st.prompt_tokens = chunk.num_prompt_tokens
+            if chunk.cached_tokens is not None and st.prefill_instance is None:
+                st.cached_tokens = chunk.cached_tokens
+        if chunk.usage is not None:
+            if not st.prompt_tokens:
+                st.prompt_tokens = chunk.usage.prompt_tokens
+            if st.migrations == 0 and st.prefill_instance is None:
+                st.cached_tokens = chunk.usage.cached_tokens
+        if chunk.finish_reason is not None:
+            st.finish_reason = chunk.finish_reason
+            st.stop_reason = chunk.stop_reason

@@ -1,0 +1,44 @@
+"""Frontend Prometheus metrics on their own CollectorRegistry (no clash with vLLM's globals)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_TOK = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class FrontendMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, prefix: str = "frontend") -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = prefix
+        self.requests = Counter(f"{p}_requests", "HTTP requests by endpoint, model and status",
+                                ["endpoint", "model", "status"], registry=r)
+        self.inflight = Gauge(f"{p}_inflight_requests", "Requests being served", ["model"], registry=r)
+        self.queued = Gauge(f"{p}_queued_requests", "Requests waiting for a worker (preprocess/route)",
+                            ["model"], registry=r)
+        self.duration = Histogram(f"{p}_request_duration_seconds", "Request duration", ["model"],
+                                  buckets=_LAT, registry=r)
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time to first token", ["model"],
+                              buckets=_LAT, registry=r)
+        self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Time between streamed chunks, per token",
+                             ["model"], buckets=_ITL, registry=r)
+        self.input_tokens = Histogram(f"{p}_input_sequence_tokens", "Prompt tokens", ["model"],
+                                      buckets=_TOK, registry=r)
+        self.output_tokens = Histogram(f"{p}_output_sequence_tokens", "Completion tokens", ["model"],
+                                       buckets=_TOK, registry=r)
+        self.cached_tokens = Counter(f"{p}_cached_tokens", "Prompt tokens served from prefix cache",
+                                     ["model"], registry=r)
+        self.migrations = Counter(f"{p}_migrations", "Streams re-sent to another worker", ["model"],
+                                  registry=r)
+        self.cancellations = Counter(f"{p}_cancellations", "Worker requests cancelled", ["model"],
+                                     registry=r)
+        self.disconnects = Counter(f"{p}_client_disconnects", "Clients that went away mid-request",
+                                   ["model"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,193 @@
+"""OpenAI wire format: validation with vLLM's own protocol models, mapping to SamplingOptions,
+response/chunk builders and OpenAI-shaped error bodies.
+
+Validation reuses ``ChatCompletionRequest``/``CompletionRequest`` and their ``to_sampling_params``
+(which runs vLLM's SamplingParams checks), so the accepted surface and the 400 messages match
+vLLM's server. Importing these models loads vLLM's config classes but never builds an engine.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import pydantic
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.exceptions import VLLMValidationError
+
+from actors.engines.protocol import SamplingOptions, StructuredOutput, TokenLogprob
+from bus.errors import ActorError, BadRequest
+
+_enc = msgspec.json.Encoder()
+encode_json = _enc.encode
+
+# SamplingParams fields with no SamplingOptions slot that still matter to the engine.
+_EXTRA_FIELDS = ("logit_bias", "bad_words", "allowed_token_ids", "prompt_logprobs")
+
+
+@dataclass(slots=True)
+class OutputOptions:
+    """What the frontend itself does with the output (detokenize, stop, logprobs shape)."""
+
+    stop: list[str]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
+    logprobs: int | None  # top-N per token; None = no logprobs
+    echo: bool = False
+
+
+def _bad_from(e: Exception) -> BadRequest:
+    if isinstance(e, pydantic.ValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(p) for p in first.get("loc", ()))
+        msg = first.get("msg", str(e))
+        err = BadRequest(f"{loc}: {msg}" if loc else msg)
+        err.param = str(first.get("loc", [None])[0]) if first.get("loc") else None  # type: ignore[attr-defined]
+        return err
+    err = BadRequest(str(getattr(e, "args", [e])[0]) if getattr(e, "args", None) else str(e))
+    err.param = getattr(e, "parameter", None)  # type: ignore[attr-defined]
+    return err
+
+
+def parse_chat(body: bytes) -> ChatCompletionRequest:
+    try:
+        req = ChatCompletionRequest.model_validate_json(body)
+    except (pydantic.ValidationError, ValueError, VLLMValidationError) as e:
+        raise _bad_from(e) from None
+    if not req.messages:
+        raise BadRequest("messages must not be empty")
+    if req.use_beam_search:
+        raise BadRequest("use_beam_search is not supported")
+    return req
+
+
+def parse_completion(body: bytes) -> CompletionRequest:
+    try:
+        req = CompletionRequest.model_validate_json(body)
+    except (pydantic.ValidationError, ValueError, VLLMValidationError) as e:
+        raise _bad_from(e) from None
+    if req.prompt is None and req.prompt_embeds is None:
+        raise BadRequest("either prompt or prompt_embeds is required")
+    if req.use_beam_search:
+        raise BadRequest("use_beam_search is not supported")
+    if req.suffix:
+        raise BadRequest("suffix is not supported")
+    return req
+
+
+def requested_max_tokens(req: ChatCompletionRequest | CompletionRequest, body: bytes = b"") -> int | None:
+    """The client's output limit, None = "the context left". CompletionRequest fills in 16 when the
+    field is absent (a validator marks it as set), so absence is checked on the raw body."""
+    if isinstance(req, ChatCompletionRequest):
+        # read through __dict__: the attribute access warns (max_tokens is deprecated for chat)
+        mct = req.max_completion_tokens
+        return mct if mct is not None else req.__dict__.get("max_tokens")
+    return req.max_tokens if b'"max_tokens"' in body else None
+
+
+def to_sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
+                text_mode: bool) -> tuple[SamplingOptions, OutputOptions]:
+    """vLLM's to_sampling_params (validation + defaults), then SamplingParams → SamplingOptions."""
+    try:
+        sp = req.to_sampling_params(max_tokens, {})
+    except (ValueError, TypeError, VLLMValidationError) as e:
+        raise _bad_from(e) from None
+    so = sp.structured_outputs
+    structured = None
+    if so is not None:
+        if so.structural_tag is not None:
+            raise BadRequest("structural_tag response formats are not supported")
+        structured = StructuredOutput(json=so.json, json_object=so.json_object, regex=so.regex,
+                                      choice=so.choice, grammar=so.grammar)
+    extra: dict[str, Any] = {}
+    for name in _EXTRA_FIELDS:
+        v = getattr(sp, name, None)
+        if v:
+            extra[name] = v
+    if getattr(req, "kv_transfer_params", None):
+        raise BadRequest("kv_transfer_params is set by the frontend, not by clients")
+    stop = list(sp.stop or [])
+    opts = SamplingOptions(
+        max_tokens=max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+        min_p=sp.min_p, seed=sp.seed, presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty, repetition_penalty=sp.repetition_penalty,
+        # token mode: the frontend detokenizes and enforces stop strings; the worker need not.
+        stop=stop if text_mode else [], stop_token_ids=list(sp.stop_token_ids or []),
+        ignore_eos=sp.ignore_eos, min_tokens=sp.min_tokens, logprobs=sp.logprobs,
+        structured=structured, detokenize=text_mode, extra=extra)
+    out = OutputOptions(stop=stop, include_stop_str_in_output=sp.include_stop_str_in_output,
+                        skip_special_tokens=sp.skip_special_tokens, logprobs=sp.logprobs,
+                        echo=bool(getattr(req, "echo", False)) and isinstance(req, CompletionRequest))
+    return opts, out
+
+
+# --- errors -----------------------------------------------------------------------------------------
+def error_body(err: ActorError) -> bytes:
+    return encode_json({"error": {"message": err.message, "type": err.kind,
+                                  "param": getattr(err, "param", None), "code": err.code}})
+
+
+# --- ids, usage -------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+# --- logprobs ---------------------------------------------------------------------------------------
+def chat_logprobs(lps: list[TokenLogprob], token_str: Any) -> list[dict[str, Any]]:
+    out = []
+    for lp in lps:
+        s = token_str(lp.token_id)
+        out.append({"token": s, "logprob": max(lp.logprob, -9999.0), "bytes": list(s.encode()),
+                    "top_logprobs": [{"token": (t := token_str(tid)), "logprob": max(v, -9999.0),
+                                      "bytes": list(t.encode())} for tid, v in lp.top]})
+    return out
+
+
+def completion_logprobs(lps: list[TokenLogprob], token_str: Any, offset: int) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for lp in lps:
+        s = token_str(lp.token_id)
+        tokens.append(s)
+        token_lps.append(max(lp.logprob, -9999.0))
+        tops.append({token_str(tid): max(v, -9999.0) for tid, v in lp.top} or None)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+# --- SSE --------------------------------------------------------------------------------------------
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ChunkFramer:
+    """Pre-encodes the constant part of every SSE chunk of one response (id, object, created, model)."""
+
+    __slots__ = ("_head",)
+
+    def __init__(self, rid: str, obj: str, created: int, model: str) -> None:
+        head = encode_json({"id": rid, "object": obj, "created": created, "model": model})
+        self._head = b"data: " + head[:-1] + b',"choices":['
+
+    def choices(self, choices: list[dict[str, Any]]) -> bytes:
+        return self._head + b",".join(encode_json(c) for c in choices) + b"]}\n\n"
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        return self._head + b'],"usage":' + encode_json(usage) + b"}\n\n"
+
+    def error(self, err: ActorError) -> bytes:
+        return b"data: " + error_body(err) + b"\n\n"

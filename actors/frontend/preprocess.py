@@ -1,0 +1,123 @@
+"""Tokenization and chat templates at the frontend, so workers get token ids and the router sees tokens.
+
+One ``Preprocessor`` per tokenizer directory, built once (loading is slow) and cached. The hot path
+uses the Rust ``tokenizers`` backend directly and a compiled chat template; transformers is only
+used to load the tokenizer with its special-token configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from bus.errors import BadRequest
+
+log = logging.getLogger(__name__)
+
+
+class Preprocessor:
+    """Prompt → token ids for one model; also the tokenizer used for detokenization."""
+
+    def __init__(self, tokenizer_path: str, chat_template_file: str | None = None) -> None:
+        from transformers import AutoTokenizer  # heavy import: only when a model appears
+
+        self.path = tokenizer_path
+        self.hf = AutoTokenizer.from_pretrained(tokenizer_path)
+        # The Rust tokenizer: encode/decode without the Python wrapper's per-call overhead.
+        self.backend = getattr(self.hf, "backend_tokenizer", None) or self.hf._tokenizer
+        template = None
+        if chat_template_file:
+            template = Path(chat_template_file).read_text()
+        self.chat_template: str | None = template or getattr(self.hf, "chat_template", None)
+        eos = self.hf.eos_token_id
+        self.eos_token_ids: list[int] = [eos] if isinstance(eos, int) else list(eos or [])
+        self._token_str: dict[int, str] = {}
+
+    # --- prompts -------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        template = chat_template or self.chat_template
+        if not template:
+            raise BadRequest("the model has no chat template; use /v1/completions or set "
+                             "model.chat_template in the topology")
+        msgs = [_flatten_content(m) for m in messages]
+        try:
+            out = self.hf.apply_chat_template(
+                msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=template,
+                tools=tools, **(template_kwargs or {}))
+        except BadRequest:
+            raise
+        except Exception as e:  # jinja errors, raise_exception() in templates
+            raise BadRequest(f"chat template failed: {e}") from None
+        return out if isinstance(out, str) else str(out)
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_str(self, token_id: int) -> str:
+        """Text of one token as logprobs report it (cached: the vocabulary is fixed)."""
+        s = self._token_str.get(token_id)
+        if s is None:
+            s = self.backend.decode([token_id], skip_special_tokens=False)
+            self._token_str[token_id] = s
+        return s
+
+
+def _flatten_content(msg: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI content parts → a string (vLLM's "string" content format); text only."""
+    content = msg.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            ptype = part.get("type") if isinstance(part, dict) else None
+            if ptype in ("text", "input_text", "refusal"):
+                texts.append(part.get("text") or part.get("refusal") or "")
+            else:
+                raise BadRequest(f"content part type {ptype!r} is not supported (text only)")
+        msg = {**msg, "content": "\n".join(texts)}
+    return msg
+
+
+@functools.lru_cache(maxsize=64)
+def resolve_model_path(path: str) -> str:
+    """Topology shorthand: "tiny" is the locally built tiny model (built on first use)."""
+    if path == "tiny":
+        from actors.models.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return path
+
+
+class PreprocessorCache:
+    """Preprocessors by (tokenizer path, template file); thread-safe so loads can run off-loop."""
+
+    def __init__(self) -> None:
+        self._items: dict[tuple[str, str | None], Preprocessor] = {}
+        self._lock = threading.Lock()
+
+    def get(self, tokenizer_path: str, chat_template_file: str | None = None) -> Preprocessor:
+        key = (tokenizer_path, chat_template_file)
+        pre = self._items.get(key)
+        if pre is None:
+            with self._lock:
+                pre = self._items.get(key)
+                if pre is None:
+                    log.info("loading tokenizer %s", tokenizer_path)
+                    pre = Preprocessor(tokenizer_path, chat_template_file)
+                    self._items[key] = pre
+        return pre
+
+    def peek(self, tokenizer_path: str, chat_template_file: str | None = None) -> Preprocessor | None:
+        return self._items.get((tokenizer_path, chat_template_file))
+
+
+SHARED = PreprocessorCache()  # one per process: tokenizers are immutable and slow to load

@@ -1,0 +1,131 @@
+"""Logic without NATS or HTTP: detokenization + stop strings, routing policies, the worker set."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.frontend.detok import TextStream
+from actors.frontend.discovery import Worker, WorkerSet
+from actors.frontend.preprocess import SHARED
+from actors.frontend.routing import DirectRouter, RandomRouter, RoundRobinRouter, make_router
+from actors.worker.contract import InstanceRecord, LoraRecord, ModelCard
+from bus.errors import BadRequest, NotFound, Overloaded
+
+TEXT = "Hello world, the stop is here: END and then more text after END. Ünïcödé 😀 ok"
+
+
+@pytest.fixture(scope="module")
+def pre(tiny_dir: str) -> Any:
+    return SHARED.get(tiny_dir)
+
+
+def reference(text: str, stops: list[str], include: bool) -> str:
+    cut = None
+    for s in stops:
+        i = text.find(s)
+        if i != -1 and (cut is None or i < cut[0]):
+            cut = (i, s)
+    if cut is None:
+        return text
+    return text[:cut[0] + (len(cut[1]) if include else 0)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=1, max_value=6), min_size=1, max_size=40),
+       stops=st.sampled_from([[], ["END"], ["is here"], ["D an", "xyz"], ["😀"], ["e"], ["never"]]),
+       include=st.booleans())
+def test_stop_strings_any_chunking(pre: Any, cuts: list[int], stops: list[str], include: bool) -> None:
+    ids = pre.encode(TEXT, add_special_tokens=False)
+    assert pre.decode(ids) == TEXT
+    ts = TextStream(pre.backend, [1, 2, 3], stops, include_stop_str_in_output=include)
+    out, i, k = [], 0, 0
+    while i < len(ids) and ts.stop_hit is None:
+        n = cuts[k % len(cuts)]
+        out.append(ts.add_tokens(ids[i:i + n]))
+        i, k = i + n, k + 1
+    out.append(ts.flush())
+    expect = reference(TEXT, stops, include)
+    assert "".join(out) == expect
+    assert (ts.stop_hit is not None) == (expect != TEXT)
+
+
+def test_hold_back_releases_nothing_that_might_start_a_stop(pre: Any) -> None:
+    ts = TextStream(pre.backend, None, ["STOP"])
+    assert ts.add_text("abc ST") == "abc "  # "ST" might start "STOP"
+    assert ts.add_text("O") == ""  # "STO" still might
+    assert ts.add_text("x") == "STOx"  # released once it cannot
+    assert ts.add_text(" S") == " " and ts.flush() == "S" and ts.flush() == ""
+    assert ts.text == "abc STOx S" and ts.stop_hit is None
+
+
+def test_text_mode_stop(pre: Any) -> None:
+    ts = TextStream(None, None, ["\n\n"])
+    got = ts.add_text("line one\n") + ts.add_text("\nline two")
+    assert got == "line one" and ts.stop_hit == "\n\n"
+
+
+def _w(i: str) -> Worker:
+    return Worker(instance=i, model="m", pool="agg", role="agg", subject=f"ns.agg.generate.{i}")
+
+
+def test_round_robin_random_direct() -> None:
+    pool = [_w("a"), _w("b"), _w("c")]
+    rr = RoundRobinRouter()
+    assert [rr.choose(pool, None, set()).instance for _ in range(6)] == ["a", "b", "c"] * 2
+    assert {rr.choose(pool, None, {"b"}).instance for _ in range(4)} == {"a", "c"}
+    with pytest.raises(Overloaded):
+        rr.choose(pool, None, {"a", "b", "c"})
+    assert rr.choose(pool, None, set(), target="c").instance == "c"
+    with pytest.raises(NotFound):
+        rr.choose(pool, None, set(), target="zzz")
+    rnd = RandomRouter()
+    assert {rnd.choose(pool, None, {"a"}).instance for _ in range(50)} == {"b", "c"}
+    d = DirectRouter()
+    with pytest.raises(BadRequest):
+        d.choose(pool, None, set())
+    assert d.choose(pool, None, set(), target="b").instance == "b"
+    with pytest.raises(ValueError):
+        make_router("kv")
+    assert make_router("kv", kv_factory=RoundRobinRouter).name == "round_robin"
+
+
+def test_worker_set_tracks_registry() -> None:
+    ws = WorkerSet()
+    calls = []
+    ws.listeners.append(lambda: calls.append(1))
+
+    def rec(i: str, role: str = "agg", status: str = "ready", kind: str = "engine") -> bytes:
+        return msgspec.json.encode(InstanceRecord(instance=i, kind=kind, role=role, model="m", host="h",
+                                                  pid=1, pool=role, generate_subject=f"ns.{role}.generate.{i}",
+                                                  status=status))
+
+    ws.put_instance("w1", rec("w1"))
+    ws.put_instance("w2", rec("w2", status="sleeping"))
+    ws.put_instance("f1", rec("f1", kind="frontend"))
+    ws.put_instance("p1", rec("p1", role="prefill"))
+    assert [w.instance for w in ws.serving_workers("m")] == ["w1"]
+    assert [w.instance for w in ws.workers("m", "prefill")] == ["p1"]
+    ws.put_instance("w2", rec("w2"))  # woke up
+    assert [w.instance for w in ws.serving_workers("m")] == ["w1", "w2"]
+    ws.delete_instance("w1")  # expired
+    assert [w.instance for w in ws.serving_workers("m")] == ["w2"]
+    card = ModelCard(served_model_name="m", pool="agg", role="agg", model_path="/x", tokenizer_path="/x",
+                     context_length=100, kv_block_size=16, total_kv_blocks=10)
+    ws.put_model("m.agg", msgspec.json.encode(card))
+    assert ws.resolve_model("m")[1] is None and not ws.models["m"].has_prefill_pool
+    rec = LoraRecord(lora_name="ad", lora_id=1, path="/a", uri="file:///a", instance="w2", model="m")
+    ws.put_lora("w2.ad", msgspec.json.encode(rec))
+    ws.put_lora("w1.ad", msgspec.json.encode(msgspec.structs.replace(rec, instance="w1")))
+    entry, lora = ws.resolve_model("ad")
+    assert entry.name == "m" and lora == "ad" and ws.lora_instances("ad") == {"w1", "w2"}
+    ws.delete_lora("w2.ad")
+    assert ws.lora_instances("ad") == {"w1"}
+    ws.delete_lora("w1.ad")
+    assert ws.resolve_model("ad") is None
+    ws.delete_model("m.agg")
+    assert ws.resolve_model("m") is None and calls
