@@ -6,7 +6,7 @@ A child is anything with start/wait/stop: an in-process actor (actors.base.Actor
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -44,3 +44,28 @@ class ChildSpec:
     @property
     def shutdown_timeout(self) -> float | None:
         return None if self.shutdown == "brutal_kill" else float(self.shutdown)
+
+
+class LazyChild:
+    """A child built at start time by an async ``build`` (e.g. from what a sibling reports over NATS).
+
+    The supervisor calls the ChildSpec's ``start`` factory synchronously; some actors need facts
+    that only exist once an earlier child runs (the KV publisher needs the engine's ZMQ endpoints).
+    """
+
+    def __init__(self, name: str, build: Callable[[], Awaitable[Child]]) -> None:
+        self.name = name
+        self._build = build
+        self.child: Child | None = None
+
+    async def start(self) -> None:
+        self.child = await self._build()
+        await self.child.start()
+
+    async def wait(self) -> None:
+        assert self.child is not None, "not started"
+        await self.child.wait()
+
+    async def stop(self, timeout: float | None) -> None:
+        if self.child is not None:
+            await self.child.stop(timeout)

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 import zmq
@@ -42,9 +42,15 @@ from actors.kv.contract import (
 )
 from actors.kv.translate import KvPublisherMetrics, KvTranslator
 from actors.kv.vllm_events import decode_batch, is_replay_end, replay_request
+from actors.worker import contract as C
+from bus import rpc
 from bus import subjects as S
 from bus.context import BusContext
 from bus.errors import NotFound
+from supervisors.child import ChildSpec, LazyChild
+
+if TYPE_CHECKING:
+    from actors.worker.process import WorkerEnv
 
 log = logging.getLogger(__name__)
 
@@ -288,3 +294,34 @@ class KvPublisherActor(Actor):
 
 def _sample(m: KvPublisherMetrics, name: str) -> int:
     return int(m.registry.get_sample_value(name) or 0)
+
+
+_process_metrics: KvPublisherMetrics | None = None
+
+
+def _metrics() -> KvPublisherMetrics:
+    """One set of publisher counters per process, on the default registry the worker's /metrics
+    exports (a restarted publisher must not register the same counters twice)."""
+    global _process_metrics
+    if _process_metrics is None:
+        import prometheus_client
+
+        _process_metrics = KvPublisherMetrics(prometheus_client.REGISTRY)
+    return _process_metrics
+
+
+def worker_child(env: WorkerEnv) -> ChildSpec | None:
+    """The worker's KV publisher: none for decode workers (their blocks are never routed to)."""
+    if env.pool.role == "decode":
+        return None
+    model = env.topology.model.name if env.topology.model else ""
+
+    async def build() -> KvPublisherActor:
+        ctx = env.ctx.child()
+        # Ask the engine actor (over NATS, like any other actor would) where its events are.
+        info = await rpc.request(ctx.nc, ctx.subjects.worker(env.instance, C.ENGINE_KV_SOURCES), {},
+                                 timeout=10.0, reply_type=C.EngineKvSources)
+        return KvPublisherActor(ctx, env.instance, env.pool.role, model, info.block_size, info.sources,
+                                metrics=_metrics())
+
+    return ChildSpec("kv_publisher", lambda: LazyChild("kv_publisher", build), "permanent", 5.0)

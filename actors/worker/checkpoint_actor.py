@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from actors.base import Actor, Endpoint
 from actors.worker import contract as C
@@ -20,7 +22,11 @@ from actors.worker.contract import SleepRequest, StatusReply
 from bus import rpc
 from bus.context import BusContext
 from bus.errors import RemoteError
+from supervisors.child import ChildSpec
 from supervisors.topology import CheckpointConfig
+
+if TYPE_CHECKING:
+    from actors.worker.process import WorkerEnv
 
 log = logging.getLogger(__name__)
 
@@ -79,3 +85,19 @@ class CheckpointActor(Actor):
             return
         if outcome != RESTORE_DONE:
             self._on_snapshot()
+
+
+def worker_child(env: WorkerEnv) -> ChildSpec | None:
+    """The checkpoint coordinator, when the pool names a snapshot control directory."""
+    cfg = env.pool.checkpoint
+    if not cfg.control_dir:
+        return None
+    model = env.topology.model.name if env.topology.model else ""
+
+    def make() -> CheckpointActor:
+        # snapshot-complete: this process has served its purpose; stop it cleanly (exit 0).
+        return CheckpointActor(env.ctx.child(), worker_instance=env.instance, role=env.pool.role, model=model,
+                               config=cfg, on_snapshot=lambda: os.kill(os.getpid(), signal.SIGTERM))
+
+    # transient: a finished flow is a normal exit; a failed one is restarted.
+    return ChildSpec("checkpoint", make, "transient", 5.0)

@@ -10,8 +10,9 @@ if the whole worker is gone they expire with the bucket's TTL.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -31,7 +32,11 @@ from bus import rpc
 from bus.context import BusContext
 from bus.errors import RemoteError
 from bus.registry import Registry
+from supervisors.child import ChildSpec
 from supervisors.topology import LoraConfig
+
+if TYPE_CHECKING:
+    from actors.worker.process import WorkerEnv
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +154,19 @@ class LoraActor(Actor):
     async def list(self, _req: Any, _h: Mapping[str, str]) -> dict[str, Any]:
         return {"instance": self.worker_instance,
                 "adapters": [msgspec.to_builtins(i) for i in self.manager.list()]}
+
+
+def worker_child(env: WorkerEnv) -> ChildSpec | None:
+    """The worker's LoRA manager, when the engine has LoRA enabled."""
+    args = env.pool.engine_args
+    if not args.get("enable_lora"):
+        return None
+    model = env.topology.model.name if env.topology.model else ""
+    home = os.environ.get("VLLM_ACTORS_HOME", os.path.expanduser("~/.cache/vllm-actors"))
+
+    def make() -> LoraActor:
+        return LoraActor(env.ctx.child(), worker_instance=env.instance, pool_name=env.pool_name, model=model,
+                         role=env.pool.role, config=env.pool.lora, max_loras=int(args.get("max_loras", 1)),
+                         cache_dir=os.path.join(home, "loras"))
+
+    return ChildSpec("lora", make, "permanent", 5.0)
