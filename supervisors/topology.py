@@ -141,6 +141,7 @@ class SystemdConfig(_Strict):
     start_limit_interval_sec: int = 300
     start_limit_burst: int = 5
     timeout_stop_sec: int = 90
+    timeout_start_sec: int | None = None  # None: no bound (engines load for minutes; STATUS= says why)
     python: str | None = None  # interpreter for ExecStart (default: the one running --emit-systemd)
 
 
@@ -155,7 +156,8 @@ class Topology(_Strict):
     systemd: SystemdConfig = msgspec.field(default_factory=SystemdConfig)
     run_dir: str | None = None  # logs, store dir, sockets (default ~/.cache/vllm-actors/run/<ns>)
     echo: bool = False  # start the echo example actor
-    echo_host: str = "local"  # which host's supervisor runs it
+    # one echo actor per listed host (instance = host name)
+    echo_hosts: list[str] = msgspec.field(default_factory=lambda: ["local"])
 
     def hosts(self) -> list[str]:
         names = {p.host for p in self.pools.values()}
@@ -164,5 +166,5 @@ class Topology(_Strict):
         if self.planner.enabled:
             names.add(self.planner.host)
         if self.echo:
-            names.add(self.echo_host)
+            names.update(self.echo_hosts)
         return sorted(names) or ["local"]

@@ -1,0 +1,385 @@
+"""Load a topology TOML file, apply ``--set`` overrides, convert and validate it.
+
+Every failure is a ``TopologyError`` whose message reads ``<file>: <key.path>: <problem>`` so an
+operator can go straight to the offending line. msgspec reports dict entries as ``[...]``; we find
+the offending key ourselves (see ``_resolve_path``) because "pools[...]" does not say which pool.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bus.subjects import check_token
+from supervisors.topology import PoolConfig, Topology
+
+_BUS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+class TopologyError(ValueError):
+    """A topology that cannot be loaded; the message names the file, the key path and the problem."""
+
+    def __init__(self, file: str, key: str | None, problem: str) -> None:
+        self.file, self.key, self.problem = file, key, problem
+        super().__init__(f"{file}: {key}: {problem}" if key else f"{file}: {problem}")
+
+
+def load_topology(path: str | Path, overrides: Iterable[str] = ()) -> Topology:
+    """Read ``path``, apply ``key.path=value`` overrides, convert to ``Topology`` and check it."""
+    file = str(path)
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise TopologyError(file, None, f"cannot read topology: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise TopologyError(file, None, f"invalid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise TopologyError(file, None, f"not UTF-8 text: {e}") from None
+    return topology_from_dict(raw, file, overrides)
+
+
+def topology_from_dict(raw: dict[str, Any], file: str = "<topology>",
+                       overrides: Iterable[str] = ()) -> Topology:
+    data = copy.deepcopy(raw)
+    overridden: set[str] = set()
+    for item in overrides:
+        overridden.add(apply_override(data, item, file))
+    topo = _convert(data, file, overridden)
+    _check(topo, file, overridden)
+    return topo
+
+
+# --- overrides ----------------------------------------------------------------------------------
+
+
+def parse_override(item: str, file: str = "<topology>") -> tuple[list[str], Any]:
+    """``a.b.c=value`` → (["a", "b", "c"], value); value is a TOML literal when it parses as one."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise TopologyError(file, None, f"--set {item!r}: expected key.path=value")
+    parts = [p.strip() for p in key.split(".")]
+    if any(not p for p in parts):
+        raise TopologyError(file, None, f"--set {item!r}: empty segment in key path {key!r}")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare words (hosts, URLs, paths) are strings, no quoting needed on a shell
+    return parts, value
+
+
+def apply_override(data: dict[str, Any], item: str, file: str = "<topology>") -> str:
+    """Set one override in the raw TOML dict, creating intermediate tables; returns the key path."""
+    parts, value = parse_override(item, file)
+    if _unwrap(_field_type(parts)) is str and not isinstance(value, str):
+        # `--set pools.w.env.OMP_NUM_THREADS=1` means the string "1" where the schema wants text
+        value = item.partition("=")[2].strip()
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict):
+            where = _join(parts[: i + 1])
+            raise TopologyError(file, where, f"--set {item!r}: {where} is a {_kind(nxt)}, not a table")
+        node = nxt
+    node[parts[-1]] = value
+    return _join(parts)
+
+
+# --- conversion and msgspec error translation ---------------------------------------------------
+
+
+def _convert(data: dict[str, Any], file: str, overridden: set[str]) -> Topology:
+    try:
+        return msgspec.convert(data, Topology, strict=True)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+    problem, _, where = msg.rpartition(" - at `")
+    if not _:
+        problem, where = msg, "$`"
+    where = where.rstrip("`")
+    keys = _resolve_path(data, where, msg)
+    m = re.match(r"Object contains unknown field `(.+)`$", problem)
+    if m:
+        keys.append(m.group(1))
+        problem = f"unknown key (allowed: {', '.join(_allowed_fields(keys[:-1]))})"
+    elif (m := re.match(r"Object missing required field `(.+)`$", problem)):
+        keys.append(m.group(1))
+        problem = "required key is missing"
+    else:
+        problem = _friendly(problem, keys, data)
+    key = _join(keys) or None
+    if key and key in overridden:
+        problem += " (set by --set)"
+    raise TopologyError(file, key, problem) from None
+
+
+def _resolve_path(data: dict[str, Any], where: str, msg: str) -> list[str]:
+    """Turn msgspec's ``$.pools[...].env[...]`` into real keys by narrowing each ``[...]`` dict
+    to one entry at a time until the same error reappears."""
+    tokens = re.findall(r"\.([^.\[]+)|\[(\d+|\.\.\.)\]", where.removeprefix("$"))
+    trial = copy.deepcopy(data)
+    node: Any = trial
+    keys: list[str] = []
+    for name, index in tokens:
+        if name:
+            keys.append(name)
+            node = node.get(name) if isinstance(node, dict) else None
+        elif index != "...":
+            keys.append(index)
+            node = node[int(index)] if isinstance(node, list) and int(index) < len(node) else None
+        elif isinstance(node, dict):
+            items = dict(node)
+            found = None
+            for k, v in items.items():
+                node.clear()
+                node[k] = v
+                try:
+                    msgspec.convert(trial, Topology, strict=True)
+                except msgspec.ValidationError as e:
+                    if str(e) == msg:
+                        found = k
+                        break
+            if found is None:  # should not happen; keep msgspec's placeholder rather than guess
+                node.update(items)
+                keys.append("[...]")
+                node = None
+                continue
+            keys.append(found)
+            node = node[found]
+        else:
+            keys.append("[...]")
+    return keys
+
+
+def _friendly(problem: str, keys: list[str], data: dict[str, Any]) -> str:
+    value = _lookup(data, keys)
+    m = re.match(r"Expected `(.+)`, got `(.+)`$", problem)
+    if m:
+        want, got = (_toml_name(x.replace("`", "")) for x in m.groups())
+        return f"expected {want}, got {got}{_show(value)}"
+    if problem.startswith("Invalid enum value"):
+        choices = _literal_choices(keys)
+        allowed = f" (expected one of {', '.join(map(str, choices))})" if choices else ""
+        return f"invalid value {value!r}{allowed}"
+    return problem[:1].lower() + problem[1:]
+
+
+def _lookup(data: Any, keys: list[str]) -> Any:
+    for k in keys:
+        if isinstance(data, dict) and k in data:
+            data = data[k]
+        elif isinstance(data, list) and k.isdigit() and int(k) < len(data):
+            data = data[int(k)]
+        else:
+            return None
+    return data
+
+
+def _field_type(keys: list[str]) -> Any:
+    """The annotated type at a key path in the Topology schema (None when unknown)."""
+    typ: Any = Topology
+    for k in keys:
+        typ = _unwrap(typ)
+        if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+            typ = typing.get_type_hints(typ).get(k)
+        elif typing.get_origin(typ) is dict:
+            typ = typing.get_args(typ)[1]
+        elif typing.get_origin(typ) is list:
+            typ = typing.get_args(typ)[0]
+        else:
+            return None
+    return typ
+
+
+def _unwrap(typ: Any) -> Any:
+    """Optional[X] → X (the schema never uses other unions)."""
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    if typing.get_origin(typ) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return typ
+
+
+def _literal_choices(keys: list[str]) -> list[Any]:
+    typ = _unwrap(_field_type(keys))
+    return list(typing.get_args(typ)) if typing.get_origin(typ) is typing.Literal else []
+
+
+def _allowed_fields(keys: list[str]) -> list[str]:
+    typ = _unwrap(_field_type(keys))
+    if isinstance(typ, type) and issubclass(typ, msgspec.Struct):
+        return list(typ.__struct_fields__)
+    return []
+
+
+def _join(keys: list[str]) -> str:
+    return ".".join(k if _BARE_KEY.match(k) else f'"{k}"' for k in keys)
+
+
+def _kind(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array"}.get(
+        type(value), type(value).__name__)
+
+
+def _show(value: Any) -> str:
+    return "" if value is None or isinstance(value, dict | list) else f" ({value!r})"
+
+
+def _toml_name(msgspec_type: str) -> str:
+    return msgspec_type.replace("object", "table")
+
+
+# --- semantic checks ----------------------------------------------------------------------------
+
+
+def _check(t: Topology, file: str, overridden: set[str]) -> None:
+    def fail(key: str, problem: str) -> None:
+        if key in overridden:
+            problem += " (set by --set)"
+        raise TopologyError(file, key, problem)
+
+    def token(key: str, value: str, what: str) -> None:
+        try:
+            check_token(value)
+        except ValueError:
+            fail(key, f"invalid {what} {value!r}: use letters, digits, '_' and '-' (it becomes a NATS subject token)")
+
+    def port(key: str, value: int | None) -> None:
+        if value is not None and not 1 <= value <= 65535:
+            fail(key, f"expected a port in 1..65535, got {value}")
+
+    def positive(key: str, value: float | None, *, zero_ok: bool = False) -> None:
+        if value is not None and (value < 0 or (value == 0 and not zero_ok)):
+            fail(key, f"expected a number {'>= 0' if zero_ok else '> 0'}, got {value}")
+
+    token("namespace", t.namespace, "namespace")
+
+    # bus: either a URL to an existing server or the embedded one on bus.port
+    port("bus.port", t.bus.port)
+    if t.bus.url is not None:
+        for url in t.bus.url.split(","):
+            if not url.strip().startswith(_BUS_SCHEMES):
+                fail("bus.url", f"expected {'|'.join(s[:-3] for s in _BUS_SCHEMES)}://host:port, got {url!r}"
+                     " (leave bus.url out to embed a nats-server)")
+    a = t.bus.auth
+    methods = [n for n, v in (("token", a.token), ("user", a.user), ("nkey_seed", a.nkey_seed),
+                              ("creds", a.creds)) if v]
+    if len(methods) > 1:
+        fail(f"bus.auth.{methods[1]}", f"choose one auth method; {methods[0]} is already set")
+    if (a.user is None) != (a.password is None):
+        fail("bus.auth.password" if a.user else "bus.auth.user", "user and password go together")
+    if t.bus.tls and (t.bus.tls.cert_file is None) != (t.bus.tls.key_file is None):
+        fail("bus.tls.key_file" if t.bus.tls.cert_file else "bus.tls.cert_file",
+             "cert_file and key_file go together")
+
+    _check_supervisor(t.supervisor, "supervisor", fail, positive)
+
+    if t.model is not None:
+        positive("model.migration_limit", t.model.migration_limit, zero_ok=True)
+        positive("model.context_length", t.model.context_length)
+
+    if t.frontend.enabled:
+        token("frontend.host", t.frontend.host, "host name")
+        if t.model is None:
+            fail("frontend.enabled", "the frontend serves a model: add a [model] table or set frontend.enabled = false")
+        host, sep, p = t.frontend.http.rpartition(":")
+        if not sep or not host or not p.isdigit():
+            fail("frontend.http", f"expected host:port, got {t.frontend.http!r}")
+        port("frontend.http", int(p))
+        positive("frontend.stall_timeout", t.frontend.stall_timeout)
+        positive("frontend.max_body_bytes", t.frontend.max_body_bytes)
+        if t.frontend.busy_threshold is not None and not 0 < t.frontend.busy_threshold <= 1:
+            fail("frontend.busy_threshold", f"expected a fraction in (0, 1], got {t.frontend.busy_threshold}")
+
+    for name, pool in t.pools.items():
+        _check_pool(name, pool, t, fail, token, port, positive)
+
+    roles = {p.role for p in t.pools.values()}
+    if "prefill" in roles and "decode" not in roles:
+        first = next(n for n, p in t.pools.items() if p.role == "prefill")
+        fail(f"pools.{first}.role", "a prefill pool needs a decode pool to hand its KV cache to")
+    engines = {p.engine for p in t.pools.values() if p.role in ("prefill", "decode")}
+    if len(engines) > 1:
+        first = next(n for n, p in t.pools.items() if p.role in ("prefill", "decode") and p.engine != "vllm")
+        fail(f"pools.{first}.engine", "prefill and decode pools must use the same engine (KV cannot cross engines)")
+
+    if t.planner.enabled:
+        token("planner.host", t.planner.host, "host name")
+        if not t.pools:
+            fail("planner.enabled", "the planner scales pools, but no [pools.*] are defined")
+        positive("planner.interval", t.planner.interval)
+        if t.planner.min_replicas < 1:
+            fail("planner.min_replicas", f"expected int >= 1, got {t.planner.min_replicas}")
+        if t.planner.max_replicas < t.planner.min_replicas:
+            fail("planner.max_replicas", f"expected >= planner.min_replicas ({t.planner.min_replicas}), "
+                 f"got {t.planner.max_replicas}")
+
+    for i, h in enumerate(t.echo_hosts):
+        token(f"echo_hosts.{i}", h, "host name")
+    if t.echo and not t.echo_hosts:
+        fail("echo_hosts", "echo = true needs at least one host")
+
+    s = t.systemd
+    for key in ("watchdog_sec", "restart_sec", "start_limit_interval_sec", "start_limit_burst"):
+        positive(f"systemd.{key}", getattr(s, key), zero_ok=True)
+    positive("systemd.timeout_stop_sec", s.timeout_stop_sec)
+    positive("systemd.timeout_start_sec", s.timeout_start_sec)
+    for key in ("working_directory", "environment_file", "python"):
+        v = getattr(s, key)
+        if v is not None and not v.startswith("/"):
+            fail(f"systemd.{key}", f"systemd needs an absolute path, got {v!r}")
+
+
+def _check_supervisor(s: Any, prefix: str, fail: Any, positive: Any) -> None:
+    if s.intensity < 0:
+        fail(f"{prefix}.intensity", f"expected int >= 0, got {s.intensity}")
+    positive(f"{prefix}.period", s.period)
+    positive(f"{prefix}.shutdown_timeout", s.shutdown_timeout)
+    positive(f"{prefix}.drain_timeout", s.drain_timeout, zero_ok=True)
+    b = s.backoff
+    positive(f"{prefix}.backoff.initial", b.initial, zero_ok=True)
+    if b.max < b.initial:
+        fail(f"{prefix}.backoff.max", f"expected >= backoff.initial ({b.initial}), got {b.max}")
+    if b.multiplier < 1:
+        fail(f"{prefix}.backoff.multiplier", f"expected a number >= 1, got {b.multiplier}")
+    if not 0 <= b.jitter <= 1:
+        fail(f"{prefix}.backoff.jitter", f"expected a fraction in [0, 1], got {b.jitter}")
+
+
+def _check_pool(name: str, pool: PoolConfig, t: Topology, fail: Any, token: Any, port: Any,
+                positive: Any) -> None:
+    key = f"pools.{_join([name])}"
+    token(key, name, "pool name")
+    token(f"{key}.host", pool.host, "host name")
+    if t.model is None:
+        fail(key, "worker pools serve a model: add a [model] table")
+    if pool.replicas < 1:
+        fail(f"{key}.replicas", f"expected int >= 1, got {pool.replicas}")
+    if pool.status_port is not None:
+        port(f"{key}.status_port", pool.status_port)
+        last = pool.status_port + pool.replicas - 1
+        if last > 65535:
+            fail(f"{key}.status_port", f"the last replica's port {last} (status_port + replicas - 1) exceeds 65535")
+    if pool.max_waiting is not None and pool.max_waiting < 1:
+        fail(f"{key}.max_waiting", f"expected int >= 1, got {pool.max_waiting}")
+    if pool.prompt_embeds and pool.engine == "mocker":
+        fail(f"{key}.prompt_embeds", "the mocker engine has no embedding layer; use engine = \"vllm\"")
+    if pool.sleep.level not in (1, 2):
+        fail(f"{key}.sleep.level", f"expected 1 or 2, got {pool.sleep.level}")
+    positive(f"{key}.sleep.idle_timeout", pool.sleep.idle_timeout)
+    positive(f"{key}.health.interval", pool.health.interval)
+    positive(f"{key}.health.timeout", pool.health.timeout)
+    for env_key in pool.env:
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", env_key):
+            fail(f"{key}.env.{_join([env_key])}", "not a valid environment variable name")
+    # engine_args are not checked here: vLLM validates its own AsyncEngineArgs in the worker, and
+    # the mocker's arguments are the mocker's business.
+    _check_supervisor(pool.supervisor, f"{key}.supervisor", fail, positive)

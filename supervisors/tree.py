@@ -1,0 +1,308 @@
+"""The supervision tree of one host, derived from a Topology.
+
+    root <host> (topology.supervisor: strategy, intensity, period, backoff)
+    ├── nats            embedded nats-server (only when the topology names no bus.url)
+    ├── inproc          rest_for_one: everything that shares this process's NATS connection
+    │   ├── bus         the one NATS connection of this OS process
+    │   ├── control     the root supervisor's micro service (ns.supervisor.<host>.*)
+    │   ├── frontend / router / planner   (TODO hooks below, filled in by their issues)
+    │   └── echo        the example actor, when `echo = true` and this host is in echo_hosts
+    └── worker-<pool>-<i>   one OS process per worker replica (its own connection and supervisor)
+
+Why ``inproc`` is rest_for_one with the connection first: the in-process actors hold the
+connection, so if it is ever replaced they must be restarted with it. Workers sit beside it at the
+root (one_for_one by default) so a hiccup in this process's connection never reloads an engine.
+NATS first and stopped last: every other child needs it.
+
+``plan_host`` builds the tree as data (nothing is started or imported), so ``--check`` can print
+it; ``build_host_tree`` turns a plan into the root's ChildSpecs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from supervisors.child import Child, ChildSpec
+from supervisors.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
+
+log = logging.getLogger(__name__)
+
+# Bound on the first connect: nats-py retries forever, which would hang a start whose server is not
+# coming (or not yet restarted); failing the start lets the supervisor count it and back off.
+BUS_CONNECT_TIMEOUT = 10.0
+
+
+def run_dir(t: Topology) -> Path:
+    if t.run_dir:
+        return Path(t.run_dir).expanduser()
+    return Path("~/.cache/vllm-actors/run").expanduser() / t.namespace
+
+
+def embeds_nats(t: Topology) -> bool:
+    return t.bus.url is None
+
+
+def bus_url(t: Topology) -> str:
+    return t.bus.url or f"nats://127.0.0.1:{t.bus.port}"
+
+
+class BusLink:
+    """Child owning the process's one NATS connection (a ``bus.context.BusContext``).
+
+    nats-py reconnects forever on its own, so this child only ends when the connection is closed
+    for good (then the in-process actors are restarted on a fresh one by ``inproc``)."""
+
+    def __init__(self, t: Topology, host: str, name: str = "bus") -> None:
+        self.name = name
+        self.topology = t
+        self.host = host
+        self.ctx: Any = None  # bus.context.BusContext once started
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        from bus.context import open_context
+        self._stopped.clear()
+        try:
+            self.ctx = await asyncio.wait_for(open_context(
+                self.topology.bus, self.topology.namespace, self.host,
+                f"vllm-actors:{self.topology.namespace}:{self.host}:{os.getpid()}"), BUS_CONNECT_TIMEOUT)
+        except TimeoutError:
+            raise ConnectionError(f"no NATS server at {bus_url(self.topology)} within "
+                                  f"{BUS_CONNECT_TIMEOUT:g}s") from None
+        log.info("bus: connected to %s as host %s", self.ctx.nc.connected_url.netloc
+                 if self.ctx.nc.connected_url else bus_url(self.topology), self.host)
+
+    async def wait(self) -> None:
+        while not self._stopped.is_set():
+            if self.ctx is not None and self.ctx.nc.is_closed:
+                raise ConnectionError("NATS connection closed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), 1.0)
+
+    async def stop(self, timeout: float | None) -> None:
+        self._stopped.set()
+        if self.ctx is None:
+            return
+        ctx, self.ctx = self.ctx, None
+        if timeout is None:
+            await ctx.nc.close()
+        else:
+            try:
+                await asyncio.wait_for(ctx.close(), timeout)  # drain: flush what actors sent last
+            except TimeoutError:
+                await ctx.nc.close()
+
+    def child_ctx(self) -> Any:
+        if self.ctx is None:
+            raise ConnectionError("bus not connected")
+        return self.ctx.child()
+
+
+class StatusRelay:
+    """Forwards nested supervisors' status lines to whatever ``target`` is at call time (the CLI
+    points it at the root's on_status, which serve_root turns into sd_notify STATUS=)."""
+
+    def __init__(self) -> None:
+        self.target: Callable[[str], None] | None = None
+
+    def __call__(self, text: str) -> None:
+        if self.target is not None:
+            self.target(text)
+
+
+@dataclass
+class Node:
+    """One entry of a host's plan: a leaf child, or a nested supervisor with ``children``."""
+
+    spec: ChildSpec
+    kind: str  # nats | bus | control | actor | process | supervisor
+    detail: str = ""
+    supervisor: SupervisorConfig | None = None
+    children: list[Node] = field(default_factory=list)
+
+
+@dataclass
+class HostPlan:
+    host: str
+    name: str
+    supervisor: SupervisorConfig
+    children: list[Node]
+    link: BusLink
+    status: StatusRelay
+
+
+def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list[str] | None = None,
+              *, hosts: list[str] | None = None,
+              control: Callable[[BusLink], Child] | None = None) -> HostPlan:
+    """The tree for ``host`` (or, with ``hosts``, several hosts' shares in one process named
+    ``host``). ``control`` makes the root's micro service; it is called at (re)start time."""
+    shares = hosts or [host]
+    overrides = list(overrides or [])
+    sup = t.supervisor
+    link = BusLink(t, host)
+    relay = StatusRelay()
+    nodes: list[Node] = []
+    if embeds_nats(t):
+        nodes.append(_nats_node(t))
+
+    inproc: list[Node] = [Node(ChildSpec("bus", lambda: link, "permanent", sup.drain_timeout),
+                               "bus", f"NATS connection to {bus_url(t)}")]
+    if control is not None:
+        inproc.append(Node(ChildSpec("control", lambda: control(link), "permanent", sup.drain_timeout),
+                           "control", f"supervisor micro service on {t.namespace}.supervisor.{host}.*"))
+    for h in shares:
+        inproc += _frontend_nodes(t, h, link) + _router_nodes(t, h, link) + _planner_nodes(t, h, link)
+        if t.echo and h in t.echo_hosts:
+            inproc.append(_echo_node(t, h, link, multi=len(shares) > 1))
+    inproc_sup = SupervisorConfig(strategy="rest_for_one", intensity=sup.intensity, period=sup.period,
+                                  backoff=sup.backoff, shutdown_timeout=sup.shutdown_timeout,
+                                  drain_timeout=sup.drain_timeout)
+    nodes.append(Node(ChildSpec("inproc", lambda: _supervisor(f"{host}/inproc", inproc, inproc_sup, relay),
+                                "permanent", sup.shutdown_timeout),
+                      "supervisor", "in-process actors", inproc_sup, inproc))
+
+    for name, pool in t.pools.items():
+        if pool.host in shares:
+            nodes += _worker_nodes(t, name, pool, topology_path, overrides)
+    return HostPlan(host, host, sup, nodes, link, relay)
+
+
+def build_host_tree(plan: HostPlan) -> list[ChildSpec]:
+    """The root supervisor's children for a plan."""
+    return [n.spec for n in plan.children]
+
+
+def _supervisor(name: str, nodes: list[Node], cfg: SupervisorConfig,
+                status: Callable[[str], None] | None = None) -> Child:
+    from supervisors.supervisor import Supervisor
+    return Supervisor(name, [n.spec for n in nodes], strategy=cfg.strategy, intensity=cfg.intensity,
+                      period=cfg.period, backoff=_backoff(cfg.backoff), on_status=status)
+
+
+def _backoff(b: BackoffConfig) -> dict[str, float]:
+    return {"initial": b.initial, "max": b.max, "multiplier": b.multiplier, "jitter": b.jitter}
+
+
+def _nats_node(t: Topology) -> Node:
+    store = t.bus.store_dir or str(run_dir(t) / "nats")
+
+    def start() -> Child:
+        from bus.embedded import EmbeddedNats
+        return EmbeddedNats(port=t.bus.port, store_dir=store, name="nats")
+
+    return Node(ChildSpec("nats", start, "permanent", min(10.0, t.supervisor.shutdown_timeout)),
+                "nats", f"embedded nats-server 127.0.0.1:{t.bus.port} (JetStream store {store})")
+
+
+def _echo_node(t: Topology, host: str, link: BusLink, multi: bool) -> Node:
+    def start() -> Child:
+        from actors.echo.actor import EchoActor
+        return EchoActor(link.child_ctx(), instance=host)
+
+    return Node(ChildSpec(f"echo-{host}" if multi else "echo", start, "permanent",
+                          t.supervisor.drain_timeout), "actor", f"EchoActor instance {host}")
+
+
+def worker_argv(topology_path: str | Path, pool: str, replica: int, overrides: list[str],
+                t: Topology) -> list[str]:
+    argv = [sys.executable, "-m", "actors.worker.process", "--topology", str(Path(topology_path).resolve()),
+            "--pool", pool, "--replica", str(replica)]
+    for o in overrides:
+        argv += ["--set", o]
+    if embeds_nats(t):
+        # the worker joins this host's embedded server instead of embedding its own
+        argv += ["--set", f"bus.url={bus_url(t)}"]
+    return argv
+
+
+def _worker_nodes(t: Topology, name: str, pool: PoolConfig, topology_path: str | Path,
+                  overrides: list[str]) -> list[Node]:
+    nodes = []
+    # engines load for minutes; the mocker is up in seconds
+    ready_timeout = 60.0 if pool.engine == "mocker" else 900.0
+    for i in range(pool.replicas):
+        argv = worker_argv(topology_path, name, i, overrides, t)
+        cid = f"worker-{name}-{i}"
+
+        def start(cid: str = cid, argv: list[str] = argv) -> Child:
+            from supervisors.process import ProcessChild
+            return ProcessChild(cid, argv, env=pool.env, ready_timeout=ready_timeout)
+
+        # the worker's own shutdown drains in-flight requests first, then stops its engine
+        shutdown = pool.supervisor.shutdown_timeout + pool.sleep.drain_timeout
+        nodes.append(Node(ChildSpec(cid, start, "permanent", shutdown,
+                                    meta={"pool": name, "replica": str(i), "role": pool.role,
+                                          "engine": pool.engine}),
+                          "process", f"{pool.role} {pool.engine} worker: {' '.join(argv[1:])}"))
+    return nodes
+
+
+# --- TODO hooks: filled in by the frontend (issue 4), router (issue 5) and planner issues --------
+# Each returns the in-process Nodes for its actor on ``host``; they return nothing until the actor
+# exists, so no placeholder child pretends to run.
+
+
+def _frontend_nodes(t: Topology, host: str, link: BusLink) -> list[Node]:
+    # TODO(issue 4): OpenAI HTTP frontend actor when t.frontend.enabled and t.frontend.host == host
+    return []
+
+
+def _router_nodes(t: Topology, host: str, link: BusLink) -> list[Node]:
+    # TODO(issue 5): KV router actor beside the frontend when t.frontend.router == "kv"
+    return []
+
+
+def _planner_nodes(t: Topology, host: str, link: BusLink) -> list[Node]:
+    # TODO(planner): planner actor when t.planner.enabled and t.planner.host == host
+    return []
+
+
+def pending_hooks(t: Topology, host: str) -> list[str]:
+    """Parts of the topology this build cannot start yet (so --check and the boot log say so)."""
+    missing = []
+    if t.frontend.enabled and t.frontend.host == host:
+        missing.append("frontend (not implemented yet)")
+    if t.frontend.enabled and t.frontend.router == "kv" and t.frontend.host == host:
+        missing.append("kv router (not implemented yet)")
+    if t.planner.enabled and t.planner.host == host:
+        missing.append("planner (not implemented yet)")
+    return missing
+
+
+# --- printing ------------------------------------------------------------------------------------
+
+
+def describe_plan(plan: HostPlan, t: Topology) -> list[str]:
+    s = plan.supervisor
+    lines = [f"host {plan.host}: supervisor {plan.name} ({_sup_flags(s)})"]
+    lines += _describe_nodes(plan.children, "  ")
+    for m in pending_hooks(t, plan.host):
+        lines.append(f"  ! {m}")
+    return lines
+
+
+def _sup_flags(s: SupervisorConfig) -> str:
+    b = s.backoff
+    return (f"{s.strategy}, intensity {s.intensity}/{s.period:g}s, backoff {b.initial:g}s..{b.max:g}s "
+            f"x{b.multiplier:g} ±{b.jitter:.0%}, shutdown {s.shutdown_timeout:g}s")
+
+
+def _describe_nodes(nodes: list[Node], indent: str) -> list[str]:
+    out = []
+    for n in nodes:
+        sh = n.spec.shutdown if n.spec.shutdown == "brutal_kill" else f"{float(n.spec.shutdown):g}s"
+        if n.kind == "supervisor" and n.supervisor is not None:
+            out.append(f"{indent}- {n.spec.id} [{n.spec.restart}] supervisor ({_sup_flags(n.supervisor)}): "
+                       f"{n.detail}")
+            out += _describe_nodes(n.children, indent + "    ")
+        else:
+            out.append(f"{indent}- {n.spec.id} [{n.spec.restart}, shutdown {sh}] {n.kind}: {n.detail}")
+    return out

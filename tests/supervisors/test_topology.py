@@ -1,0 +1,126 @@
+"""Topology loading: overrides, msgspec error translation and semantic checks.
+
+Every broken fixture under tests/fixtures/topologies carries its exact expected error on its first
+line (``# expect: <key.path>: <problem>``); the loader must produce ``<file>: `` + that text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from supervisors.topology_loader import (
+    TopologyError,
+    load_topology,
+    parse_override,
+    topology_from_dict,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures" / "topologies"
+BAD = sorted(FIXTURES.glob("bad_*.toml"))
+MODEL = {"name": "m", "path": "tiny"}
+
+
+def test_there_are_at_least_ten_broken_fixtures() -> None:
+    assert len(BAD) >= 10
+
+
+@pytest.mark.parametrize("path", BAD, ids=lambda p: p.stem)
+def test_broken_fixture_gives_precise_error(path: Path) -> None:
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# expect: "), f"{path.name} lacks its '# expect:' line"
+    expected = first.removeprefix("# expect: ")
+    rel = path.relative_to(ROOT)
+    with pytest.raises(TopologyError) as info:
+        load_topology(rel)
+    assert str(info.value) == f"{rel}: {expected}"
+
+
+def test_shipped_topologies_load() -> None:
+    for path in sorted((ROOT / "topologies").glob("*.toml")):
+        load_topology(path)
+
+
+def test_echo_topology() -> None:
+    t = load_topology(ROOT / "topologies" / "echo.toml")
+    assert t.echo and t.namespace == "echo" and t.bus.url is None
+    assert t.hosts() == ["local"]
+
+
+def test_missing_file() -> None:
+    with pytest.raises(TopologyError, match=r"^nope\.toml: cannot read topology: No such file"):
+        load_topology("nope.toml")
+
+
+@pytest.mark.parametrize(("text", "value"), [
+    ("4223", 4223), ("1.5", 1.5), ("true", True), ('"quoted"', "quoted"),
+    ("nats://127.0.0.1:4222", "nats://127.0.0.1:4222"), ("node-1", "node-1"),
+    ("[1, 2]", [1, 2]), ("{ a = 1 }", {"a": 1}), ("", ""),
+])
+def test_override_values_parse_as_toml_literals_else_strings(text: str, value: object) -> None:
+    assert parse_override(f"a.b={text}") == (["a", "b"], value)
+
+
+def test_overrides_create_intermediate_tables_and_reach_dict_keys() -> None:
+    t = topology_from_dict({"model": MODEL}, "t.toml", [
+        "pools.decode.role=decode", "pools.decode.replicas=3", "pools.decode.engine=mocker",
+        "pools.decode.engine_args.speedup_ratio=10.0", "pools.decode.env.OMP_NUM_THREADS=1",
+        "bus.url=nats://127.0.0.1:4333", "frontend.enabled=false",
+    ])
+    pool = t.pools["decode"]
+    assert (pool.role, pool.replicas, pool.engine) == ("decode", 3, "mocker")
+    assert pool.engine_args == {"speedup_ratio": 10.0}
+    assert pool.env == {"OMP_NUM_THREADS": "1"}
+    assert t.bus.url == "nats://127.0.0.1:4333"
+
+
+def test_override_replaces_file_value(tmp_path: Path) -> None:
+    p = tmp_path / "t.toml"
+    p.write_text('namespace = "a"\n[frontend]\nenabled = false\n[bus]\nport = 4222\n')
+    assert load_topology(p, ["bus.port=5000"]).bus.port == 5000
+
+
+def test_override_error_mentions_set() -> None:
+    with pytest.raises(TopologyError) as info:
+        topology_from_dict({"model": MODEL}, "t.toml", ["pools.w.replicas=0"])
+    assert str(info.value) == "t.toml: pools.w.replicas: expected int >= 1, got 0 (set by --set)"
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    ("noequals", "t.toml: --set 'noequals': expected key.path=value"),
+    ("a..b=1", "t.toml: --set 'a..b=1': empty segment in key path 'a..b'"),
+    ("namespace.x=1", "t.toml: namespace: --set 'namespace.x=1': namespace is a string, not a table"),
+])
+def test_bad_override_syntax(item: str, message: str) -> None:
+    with pytest.raises(TopologyError) as info:
+        topology_from_dict({"namespace": "n", "frontend": {"enabled": False}}, "t.toml", [item])
+    assert str(info.value) == message
+
+
+def test_unknown_override_key_is_rejected() -> None:
+    with pytest.raises(TopologyError, match=r"^t\.toml: bus\.prot: unknown key \(allowed: url, port"):
+        topology_from_dict({"frontend": {"enabled": False}}, "t.toml", ["bus.prot=1"])
+
+
+def test_dict_key_is_located_among_many() -> None:
+    """msgspec says pools[...]; the loader must name the one pool that is wrong."""
+    pools = {f"p{i}": {"replicas": 1} for i in range(6)}
+    pools["p4"]["replicas"] = "two"
+    with pytest.raises(TopologyError) as info:
+        topology_from_dict({"model": MODEL, "pools": pools}, "t.toml")
+    assert str(info.value) == "t.toml: pools.p4.replicas: expected int, got str ('two')"
+
+
+def test_mocker_engine_args_are_free_form_and_agg_disagg_mix_is_fine() -> None:
+    t = topology_from_dict({"model": MODEL, "pools": {
+        "prefill": {"role": "prefill", "engine": "mocker", "engine_args": {"anything": [1, "x"]}},
+        "decode": {"role": "decode", "engine": "mocker", "replicas": 2, "host": "gpu-2"},
+    }}, "t.toml")
+    assert t.hosts() == ["gpu-2", "local"]
+
+
+def test_int_is_accepted_for_float_fields() -> None:
+    t = topology_from_dict({"frontend": {"enabled": False}, "supervisor": {"period": 5}}, "t.toml")
+    assert t.supervisor.period == 5.0
