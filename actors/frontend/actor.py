@@ -22,6 +22,7 @@ from supervisors.topology import FrontendConfig, ModelConfig
 from .app import FrontendApp
 from .client import WorkerClient
 from .discovery import WorkerSet, watch_into
+from .kv_routing import kv_factory
 from .metrics import FrontendMetrics
 from .routing import Router, make_router
 
@@ -50,6 +51,7 @@ class FrontendActor(Actor):
         self.workers = WorkerSet()
         self.metrics = FrontendMetrics()
         self._kv_factory = kv_factory
+        self._router: Router | None = None
         self.app: FrontendApp | None = None
         self._runner: web.AppRunner | None = None
         self._watchers: list[asyncio.Task[None]] = []
@@ -85,11 +87,12 @@ class FrontendActor(Actor):
             await reg.ensure()
             self._watchers.append(asyncio.create_task(self._watch(reg, put, delete),
                                                       name=f"frontend-watch-{bucket}"))
-        kv = None
-        if self._kv_factory is not None:
-            factory = self._kv_factory
-            kv = lambda: factory(ws, self.bus)  # noqa: E731
+        factory = self._kv_factory
+        if factory is None and self.config.router == "kv":
+            factory = kv_factory(self.config, self.model_config.name if self.model_config else None)
+        kv = (lambda: factory(ws, self.bus)) if factory is not None else None  # noqa: E731
         router = make_router(self.config.router, kv_factory=kv)
+        self._router = router
         client = WorkerClient(self.bus.nc, self.config.stall_timeout)
         self.app = FrontendApp(workers=ws, router=router, opener=client.stream, config=self.config,
                                model_config=self.model_config, metrics=self.metrics)
@@ -112,6 +115,10 @@ class FrontendActor(Actor):
         await self._cleanup()
 
     async def _cleanup(self) -> None:
+        aclose = getattr(self._router, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        self._router = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
