@@ -5,7 +5,9 @@
     ├── inproc          rest_for_one: everything that shares this process's NATS connection
     │   ├── bus         the one NATS connection of this OS process
     │   ├── control     the root supervisor's micro service (ns.supervisor.<host>.*)
-    │   ├── frontend / router / planner   (TODO hooks below, filled in by their issues)
+    │   ├── router      the KV router micro service, when the frontend routes by KV
+    │   ├── frontend    the OpenAI HTTP gateway, on its host
+    │   ├── planner     (no issue yet: reported as pending)
     │   └── echo        the example actor, when `echo = true` and this host is in echo_hosts
     └── worker-<pool>-<i>   one OS process per worker replica (its own connection and supervisor)
 
@@ -159,7 +161,7 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
         inproc.append(Node(ChildSpec("control", lambda: control(link), "permanent", sup.drain_timeout),
                            "control", f"supervisor micro service on {t.namespace}.supervisor.{host}.*"))
     for h in shares:
-        inproc += _frontend_nodes(t, h, link) + _router_nodes(t, h, link) + _planner_nodes(t, h, link)
+        inproc += _router_nodes(t, h, link) + _frontend_nodes(t, h, link) + _planner_nodes(t, h, link)
         if t.echo and h in t.echo_hosts:
             inproc.append(_echo_node(t, h, link, multi=len(shares) > 1))
     inproc_sup = SupervisorConfig(strategy="rest_for_one", intensity=sup.intensity, period=sup.period,
@@ -245,33 +247,58 @@ def _worker_nodes(t: Topology, name: str, pool: PoolConfig, topology_path: str |
     return nodes
 
 
-# --- TODO hooks: filled in by the frontend (issue 4), router (issue 5) and planner issues --------
-# Each returns the in-process Nodes for its actor on ``host``; they return nothing until the actor
-# exists, so no placeholder child pretends to run.
+# --- in-process serving actors of a host ----------------------------------------------------------
 
 
 def _frontend_nodes(t: Topology, host: str, link: BusLink) -> list[Node]:
-    # TODO(issue 4): OpenAI HTTP frontend actor when t.frontend.enabled and t.frontend.host == host
-    return []
+    """The OpenAI HTTP frontend, on the host the topology names."""
+    if not (t.frontend.enabled and t.frontend.host == host):
+        return []
+    fe, model = t.frontend, t.model
+
+    def start() -> Child:
+        from actors.frontend.actor import FrontendActor
+        return FrontendActor(link.child_ctx(), config=fe, model_config=model, instance=f"frontend-{host}")
+
+    return [Node(ChildSpec("frontend", start, "permanent", t.supervisor.drain_timeout), "actor",
+                 f"FrontendActor http://{fe.http}/v1 (router {fe.router})")]
+
+
+def router_block_size(t: Topology) -> int:
+    """The KV block size the router hashes with: the serving pools' own setting (the router warns
+    loudly when a worker registers another one)."""
+    for pool in t.pools.values():
+        if pool.role != "decode" and "block_size" in pool.engine_args:
+            return int(pool.engine_args["block_size"])
+    return 16  # vLLM's and the mocker's default
 
 
 def _router_nodes(t: Topology, host: str, link: BusLink) -> list[Node]:
-    # TODO(issue 5): KV router actor beside the frontend when t.frontend.router == "kv"
-    return []
+    """The router micro service (route / index.stats / index.dump) beside a kv-routing frontend, for
+    the CLI, planners and other frontends. The frontend's hot path keeps its own in-process index."""
+    if not (t.frontend.enabled and t.frontend.router == "kv" and t.frontend.host == host):
+        return []
+    fe, bs, name = t.frontend, router_block_size(t), t.model.name if t.model else ""
+
+    def start() -> Child:
+        from actors.router.cost import RouterConfig
+        from actors.router.service import RouterService
+        cfg = RouterConfig(block_size=bs, prefill_load_scale=fe.prefill_load_scale,
+                           temperature=fe.router_temperature, busy_threshold=fe.busy_threshold)
+        return RouterService(link.child_ctx(), config=cfg, model=name, instance=f"router-{host}")
+
+    return [Node(ChildSpec("router", start, "permanent", t.supervisor.drain_timeout), "actor",
+                 f"RouterService (KV index, block size {bs})")]
 
 
 def _planner_nodes(t: Topology, host: str, link: BusLink) -> list[Node]:
-    # TODO(planner): planner actor when t.planner.enabled and t.planner.host == host
+    # The planner has no issue yet: --check and the boot log say so (pending_hooks).
     return []
 
 
 def pending_hooks(t: Topology, host: str) -> list[str]:
     """Parts of the topology this build cannot start yet (so --check and the boot log say so)."""
     missing = []
-    if t.frontend.enabled and t.frontend.host == host:
-        missing.append("frontend (not implemented yet)")
-    if t.frontend.enabled and t.frontend.router == "kv" and t.frontend.host == host:
-        missing.append("kv router (not implemented yet)")
     if t.planner.enabled and t.planner.host == host:
         missing.append("planner (not implemented yet)")
     return missing
