@@ -48,7 +48,7 @@ def test_check_prints_resolved_tree() -> None:
     assert [line.split()[1] for line in out[4:]] == ["bus", "control", "echo"]
 
 
-def test_check_lists_workers_per_host_and_pending_hooks(tmp_path: Path) -> None:
+def test_check_lists_workers_per_host_and_frontend(tmp_path: Path) -> None:
     topo = tmp_path / "t.toml"
     topo.write_text('namespace = "n"\n[bus]\nurl = "nats://10.0.0.1:4222"\n[model]\nname = "m"\npath = "tiny"\n'
                     '[pools.dec]\nrole = "decode"\nengine = "mocker"\nreplicas = 2\nhost = "gpu"\n'
@@ -60,7 +60,7 @@ def test_check_lists_workers_per_host_and_pending_hooks(tmp_path: Path) -> None:
     assert f"-m actors.worker.process --topology {topo} --pool dec --replica 1" in workers[1]
     assert "nats" not in [line.split()[1] for line in r.stdout.splitlines()[2:]]  # bus.url: no embedding
     r = cli(str(topo), "--check")
-    assert "host local: " in r.stdout and "  ! frontend (not implemented yet)" in r.stdout
+    assert "host local: " in r.stdout and "] actor: FrontendActor http://127.0.0.1:8000/v1" in r.stdout
 
 
 def test_check_bad_topology_exits_2_with_the_error() -> None:
