@@ -116,7 +116,12 @@ class KvTranslator:
                 r = self._removed(ev, batch.ts)
             elif isinstance(ev, AllBlocksCleared):
                 r = self._cleared(batch.ts)
-            else:  # pragma: no cover - the decoder only yields the union
+            else:
+                # Not our decoder's classes (e.g. vLLM's own, or a newer event type): never drop
+                # silently, the index would quietly diverge.
+                self.metrics.skipped.inc()
+                log.warning("KV events %s/%d: unknown event %s ignored", self.instance, self.dp_rank,
+                            type(ev).__name__)
                 r = None
             if r is not None:
                 out.append(r)
