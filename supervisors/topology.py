@@ -77,6 +77,10 @@ class FrontendConfig(_Strict):
     router_temperature: float = 0.0
     prefill_load_scale: float = 1.0
     busy_threshold: float | None = None  # KV usage fraction above which a worker is skipped
+    # kv router: false = approximate mode for engines without KV events (the index is fed by the
+    # router's own decisions and forgets them after approx_ttl seconds)
+    kv_events: bool = True
+    approx_ttl: float = 120.0
     stall_timeout: float = 10.0
 
 

@@ -68,11 +68,14 @@ class KvPolicy:
         cfg = RouterConfig(block_size=block_size, prefill_load_scale=self.config.prefill_load_scale,
                            temperature=self.config.router_temperature,
                            busy_threshold=self.config.busy_threshold)
-        router = KvRouter(cfg, metrics=_metrics())
+        mode = "kv" if self.config.kv_events else "approx"
+        router = KvRouter(cfg, mode=mode, approx_ttl=self.config.approx_ttl, metrics=_metrics())
         feed = KvRouterFeed(self.bus, router, model=self.model)
         await feed.start()
         self.router, self.feed = router, feed
-        log.info("kv router ready: block size %d, following KV events", block_size)
+        log.info("kv router ready: block size %d, %s", block_size,
+                 "following KV events" if mode == "kv" else
+                 f"approximate mode (own decisions, {self.config.approx_ttl:g}s TTL)")
 
     async def aclose(self) -> None:
         self._init.cancel()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -41,4 +41,6 @@ class FrontendMetrics:
                                    ["model"], registry=r)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        # plus the process-wide registry: the kv router's series (hit rate, overheads, index size,
+        # block-size mismatches) live there, one set per process
+        return generate_latest(self.registry) + generate_latest(REGISTRY)

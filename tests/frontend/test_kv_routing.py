@@ -88,3 +88,48 @@ async def test_unrelated_prompts_spread(kv_stack: Any) -> None:
     # concurrent requests with no shared prefix: booked decode load spreads them over the workers
     served = await asyncio.gather(*(one(i) for i in range(6)))
     assert len(set(served)) >= 2, served
+
+
+async def test_router_metrics_on_frontend_metrics(kv_stack: Any) -> None:
+    fe, _ = kv_stack
+    c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0)
+    await c.completions.create(model="tiny", prompt="metrics " * 80, max_tokens=1)
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{fe.port}/metrics") as r:
+        text = await r.text()
+    assert "frontend_requests_total" in text
+    assert "router_" in text and "hashing" in text  # the kv router's overhead histograms
+
+
+async def test_approximate_mode_follows_own_decisions(bus: BusContext, tiny_dir: str) -> None:
+    """No KV publishers at all (engines without events): the approx index still keeps a session on
+    the worker it was first sent to."""
+    pool = PoolConfig(engine="mocker")
+    workers = []
+    for i in range(3):
+        w = EngineActor(bus.child(), pool_name="agg", pool=pool, model=MODEL, instance=f"ap{i}",
+                        engine_factory=lambda: MockerEngine(dict(ARGS), role="agg", served_model_name="tiny"))
+        await w.start()
+        workers.append(w)
+    fe = FrontendActor(bus.child(), config=FrontendConfig(http="127.0.0.1:0", router="kv", kv_events=False),
+                       model_config=MODEL)
+    await fe.start()
+    try:
+        for _ in range(200):
+            if getattr(fe._router, "router", None) is not None and len(fe.workers.ready_instances()) == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert fe._router.router.mode == "approx"
+        c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0)
+        words = " ".join(f"s{i}" for i in range(300))
+        served = set()
+        for turn in range(3):
+            raw = await c.completions.with_raw_response.create(model="tiny", prompt=words[: 600 + 200 * turn],
+                                                                max_tokens=1)
+            served.add(raw.headers[WORKER_HEADER])
+        assert len(served) == 1
+    finally:
+        await fe.stop(1.0)
+        for w in workers:
+            await w.stop(1.0)
