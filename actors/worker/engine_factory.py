@@ -6,6 +6,7 @@ Imports are lazy so a mocker worker never imports vllm (seconds of start-up and 
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import socket
 from collections.abc import Callable
@@ -34,6 +35,20 @@ def _kw(cls: Any, candidates: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in candidates.items() if k in params}
 
 
+def _model_vocab_size(path: str) -> int | None:
+    """``vocab_size`` from a local model's config.json ("tiny" = the locally built tiny model)."""
+    if path == "tiny":
+        from actors.models.tiny import ensure_tiny_model
+
+        path = str(ensure_tiny_model())
+    try:
+        with open(f"{path}/config.json") as f:
+            vocab = json.load(f).get("vocab_size")
+    except (OSError, ValueError):
+        return None  # not a local directory (e.g. a hub id): keep the mocker's default
+    return vocab if isinstance(vocab, int) and vocab > 0 else None
+
+
 def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port: int | None = None,
                  seed: int | None = None) -> Engine:
     """A fresh, not yet started engine for ``pool``. Decode workers publish no KV events."""
@@ -48,6 +63,12 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port:
     if pool.engine == "mocker":
         from actors.engines.mocker import MockerEngine
 
+        if model is not None and "vocab_size" not in args:
+            # pseudo-tokens must be ids the model's tokenizer can detokenize: the mocker's default
+            # range (32000) is far beyond the tiny model's 2048, which made most output text empty
+            vocab = _model_vocab_size(model.path)
+            if vocab is not None:
+                args["vocab_size"] = vocab
         kw = _kw(MockerEngine, {"role": pool.role, "served_model_name": served,
                                 "kv_events_port": kv_events_port, "seed": seed})
         return MockerEngine(args, **kw)

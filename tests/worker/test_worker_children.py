@@ -20,7 +20,7 @@ from actors.worker.contract import GenerateChunk, GenerateRequest
 from actors.worker.process import run_worker
 from bus import rpc
 from bus.context import open_context
-from bus.errors import NotFound
+from bus.errors import BadRequest, NotFound
 from bus.registry import Registry
 from bus.stream import stream_request
 from supervisors.topology_loader import load_topology
@@ -114,6 +114,16 @@ async def test_lora_and_kv_publisher_through_restart(nats_server, tmp_path: Path
         assert rec.instance == inst and rec.uri == uri
         with pytest.raises(NotFound):
             await generate(ctx, inst, prompt, lora="never-loaded")
+        # bad adapter requests get typed errors and the manager keeps serving
+        for bad, err in ((f"file://{adapter_root}/../a1", BadRequest), ("file:///etc", BadRequest),
+                         ("ftp://x/y", BadRequest), (f"file://{adapter_root}/missing", NotFound)):
+            with pytest.raises(err):
+                await rpc.request(ctx.nc, ctx.subjects.worker(inst, "lora.load"),
+                                  {"lora_name": "bad", "source": {"uri": bad}}, timeout=10)
+        with pytest.raises(BadRequest):  # malformed request: no source
+            await rpc.request(ctx.nc, ctx.subjects.worker(inst, "lora.load"), {"lora_name": "x"}, timeout=10)
+        listed = await rpc.request(ctx.nc, ctx.subjects.worker(inst, "lora.list"), {}, timeout=10)
+        assert [a["lora_name"] for a in listed["adapters"]] == ["a1"]
 
         # KV events for the base prompt carry the router hashes of its tokens.
         for _ in range(50):
