@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -49,8 +50,27 @@ def _model_vocab_size(path: str) -> int | None:
     return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
+def engine_env(pool: PoolConfig, replica: int, cpu_slot: int | None) -> dict[str, str]:
+    """The pool's env for one replica's vLLM engine.
+
+    * CPU: vLLM binds every engine of a machine to core 0 unless told otherwise, and with
+      multiprocessing off it binds nothing (we pin EngineCore ourselves from the same variable):
+      give each engine on a host its own core (``cpu_slot``), unless the topology chose one.
+      GPU builds ignore the variable.
+    * NIXL: every engine on a host needs its own side-channel port: replicas count up from the
+      pool's port (8 apart, room for vLLM's own per-rank offsets).
+    """
+    env = dict(pool.env)
+    if cpu_slot is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_slot % (os.cpu_count() or 1))
+    port = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
+    if port and port.isdigit() and replica:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(int(port) + 8 * replica)
+    return env
+
+
 def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port: int | None = None,
-                 seed: int | None = None) -> Engine:
+                 seed: int | None = None, replica: int = 0, cpu_slot: int | None = None) -> Engine:
     """A fresh, not yet started engine for ``pool``. Decode workers publish no KV events."""
     served = model.name if model else "model"
     args: dict[str, Any] = dict(pool.engine_args)
@@ -81,10 +101,11 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port:
     if pool.prompt_embeds:
         args.setdefault("enable_prompt_embeds", True)
     kw = _kw(VllmEngine, {"role": pool.role, "served_model_name": served,
-                          "kv_events_port": kv_events_port, "env": dict(pool.env)})
+                          "kv_events_port": kv_events_port, "env": engine_env(pool, replica, cpu_slot)})
     return VllmEngine(args, **kw)
 
 
-def factory_for(pool: PoolConfig, model: ModelConfig | None, *, seed: int | None = None) -> Callable[[], Engine]:
+def factory_for(pool: PoolConfig, model: ModelConfig | None, *, seed: int | None = None, replica: int = 0,
+                cpu_slot: int | None = None) -> Callable[[], Engine]:
     """A zero-argument builder: each restart of the engine actor gets a fresh engine (and port)."""
-    return lambda: build_engine(pool, model, seed=seed)
+    return lambda: build_engine(pool, model, seed=seed, replica=replica, cpu_slot=cpu_slot)

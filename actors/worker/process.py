@@ -86,9 +86,23 @@ def dependant_factories() -> list[ChildFactory]:
     return out + ENGINE_DEPENDANTS
 
 
+def cpu_slot(t: Topology, pool_name: str, replica: int) -> int:
+    """This worker's index among all engine workers of its host (pools in file order)."""
+    host = t.pools[pool_name].host
+    index = 0
+    for name, p in t.pools.items():
+        if p.host != host:
+            continue
+        if name == pool_name:
+            return index + replica
+        index += p.replicas
+    raise KeyError(pool_name)
+
+
 def build_children(env: WorkerEnv, engine_factory: Callable[[], Engine] | None = None) -> list[ChildSpec]:
     t, pool = env.topology, env.pool
-    factory = engine_factory or factory_for(pool, t.model, seed=env.replica)
+    factory = engine_factory or factory_for(pool, t.model, seed=env.replica, replica=env.replica,
+                                            cpu_slot=cpu_slot(t, env.pool_name, env.replica))
     model = t.model.name if t.model else ""
     escalate = env.ctx.subjects.supervisor_node(env.ctx.host, env.node, "escalate")
 

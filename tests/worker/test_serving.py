@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import os
 from typing import Any
 
 import msgspec
@@ -384,3 +385,18 @@ async def test_health_checker_uses_traffic_as_liveness() -> None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await s.shutdown()
+
+
+def test_engine_env_spreads_cores_and_nixl_ports() -> None:
+    from actors.worker.engine_factory import engine_env
+    from actors.worker.process import cpu_slot
+    from supervisors.topology_loader import topology_from_dict
+
+    t = topology_from_dict({"model": {"name": "m", "path": "tiny"}, "pools": {
+        "prefill": {"role": "prefill", "replicas": 2, "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}},
+        "decode": {"role": "decode", "replicas": 1, "env": {"VLLM_CPU_OMP_THREADS_BIND": "1"}}}})
+    assert [cpu_slot(t, "prefill", 0), cpu_slot(t, "prefill", 1), cpu_slot(t, "decode", 0)] == [0, 1, 2]
+    e1 = engine_env(t.pools["prefill"], 1, 1)
+    assert e1["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5608" and e1["VLLM_CPU_OMP_THREADS_BIND"] == str(1 % os.cpu_count())
+    assert engine_env(t.pools["prefill"], 0, 0)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert engine_env(t.pools["decode"], 0, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "1"  # the topology's choice wins
