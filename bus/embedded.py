@@ -64,6 +64,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# KV index dumps travel as one message (~19 bytes per block): NATS's default 1 MiB cap would stop
+# a dump at ~55k blocks per worker; 8 MiB (~440k blocks) is the largest size NATS recommends.
+MAX_PAYLOAD = 8 * 1024 * 1024
+
+
+def server_config(max_payload: int = MAX_PAYLOAD) -> str:
+    """nats-server settings that have no command-line flag (a small config file)."""
+    return f"max_payload: {max_payload}\n"
+
+
 class EmbeddedNats:
     """A nats-server child process bound to ``host:port`` with JetStream enabled."""
 
@@ -94,8 +104,9 @@ class EmbeddedNats:
 
     def command(self) -> list[str]:
         assert self.store_dir is not None
-        cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port), "-js", "-sd", self.store_dir,
-               "-n", self._server_name]
+        conf = os.path.join(self.store_dir, "vllm-actors.conf")
+        cmd = [nats_server_binary(), "-c", conf, "-a", self.host, "-p", str(self.port), "-js",
+               "-sd", self.store_dir, "-n", self._server_name]
         if self.log_file:
             cmd += ["-l", self.log_file]
         return cmd + self.extra_args
@@ -104,6 +115,8 @@ class EmbeddedNats:
         if self.store_dir is None:
             self.store_dir = tempfile.mkdtemp(prefix="nats-js-")
         os.makedirs(self.store_dir, exist_ok=True)
+        with open(os.path.join(self.store_dir, "vllm-actors.conf"), "w") as f:
+            f.write(server_config())
         self._stopping = False
         # Unique server name: readiness must recognise *our* server, not another one on the port.
         self._server_name = f"{self.name}-{self.port}-{secrets.token_hex(3)}"

@@ -73,11 +73,15 @@ def nats_store_dir(topology: Topology) -> tuple[str, str | None]:
     return f"/var/lib/{state}", state
 
 
-def render_nats_unit(topology: Topology, topology_path: Path) -> str:
+def nats_conf_name(topology: Topology) -> str:
+    return f"{UNIT_PREFIX}-{topology.namespace}-nats.conf"
+
+
+def render_nats_unit(topology: Topology, topology_path: Path, conf: Path) -> str:
     s = topology.systemd
     store, state_dir = nats_store_dir(topology)
-    argv = [nats_server_path(), "-js", "-sd", store, "-a", "127.0.0.1", "-p", str(topology.bus.port),
-            "-n", f"{topology.namespace}-nats"]
+    argv = [nats_server_path(), "-c", str(conf), "-js", "-sd", store, "-a", "127.0.0.1",
+            "-p", str(topology.bus.port), "-n", f"{topology.namespace}-nats"]
     return _render({
         "Unit": [
             ("Description", f"vllm-actors {topology.namespace}: embedded NATS bus (JetStream)"),
@@ -157,9 +161,14 @@ def emit_units(topology: Topology, topology_path: str | Path, out_dir: str | Pat
     python = os.path.abspath(python)
     written: list[Path] = []
     if topology.bus.url is None:
+        from bus.embedded import server_config
+
+        conf = out.resolve() / nats_conf_name(topology)
+        conf.write_text(server_config())  # the settings the embedded server runs with
         p = out / nats_unit_name(topology)
-        p.write_text(render_nats_unit(topology, topology_path))
+        p.write_text(render_nats_unit(topology, topology_path, conf))
         written.append(p)
+        log.info("wrote %s", conf)
     for host in topology.hosts():
         p = out / host_unit_name(topology, host)
         p.write_text(render_host_unit(topology, topology_path, host, python))

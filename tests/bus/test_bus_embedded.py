@@ -66,3 +66,20 @@ async def test_client_reconnects_after_server_restart(tmp_path) -> None:  # type
         await nc.close()
     finally:
         srv.kill_now()
+
+
+async def test_embedded_server_allows_large_payloads(nats_server) -> None:
+    """KV index dumps are single messages: the embedded server takes 8 MiB, not NATS's 1 MiB."""
+    import nats
+
+    from bus.embedded import MAX_PAYLOAD
+
+    nc = await nats.connect(nats_server.url)
+    try:
+        assert nc.max_payload == MAX_PAYLOAD
+        sub = await nc.subscribe("big.dump")
+        await nc.publish("big.dump", b"x" * (3 * 1024 * 1024))
+        msg = await sub.next_msg(timeout=5)
+        assert len(msg.data) == 3 * 1024 * 1024
+    finally:
+        await nc.close()

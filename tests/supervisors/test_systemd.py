@@ -72,8 +72,10 @@ def test_embedded_topology_gets_nats_unit_and_host_depends_on_it(tmp_path: Path)
     nats, host = (_parse(p) for p in paths)
     argv = nats["Service"]["ExecStart"].split()
     assert Path(argv[0]).name == "nats-server" and Path(argv[0]).is_absolute()
-    assert argv[1:] == ["-js", "-sd", "/var/lib/vllm-actors/echo/nats", "-a", "127.0.0.1", "-p", "4999",
-                        "-n", "echo-nats"]
+    conf = tmp_path.resolve() / "vllm-actors-echo-nats.conf"
+    assert argv[1:] == ["-c", str(conf), "-js", "-sd", "/var/lib/vllm-actors/echo/nats", "-a", "127.0.0.1",
+                        "-p", "4999", "-n", "echo-nats"]
+    assert conf.read_text() == "max_payload: 8388608\n"  # the same settings as the embedded server
     assert nats["Service"]["StateDirectory"] == "vllm-actors/echo/nats"
     svc = host["Service"]
     assert svc["Type"] == "notify" and svc["NotifyAccess"] == "all"
