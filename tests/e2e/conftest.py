@@ -1,0 +1,201 @@
+"""End-to-end scaffolding: boot a real deployment with ``python -m actors.supervisor`` as a user does.
+
+Each deployment gets its own free ports (embedded nats-server, OpenAI HTTP, worker status ports), its
+own namespace and run_dir, so nothing collides with a developer's ``make run`` or another test module.
+The CLI runs in its own session (process group): teardown SIGTERMs the root supervisor only (as
+systemd or Ctrl-C would), asserts exit code 0, then checks that no process of the group is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TOPOLOGIES = ROOT / "topologies"
+PY = sys.executable
+WORKER_HEADER = "x-worker-instance-id"
+PREFILL_HEADER = "x-prefill-instance-id"
+
+
+def free_port(span: int = 1) -> int:
+    """A free port p such that p .. p+span-1 are all free right now (status ports: one per replica)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + span > 65535:
+            continue
+        ok = True
+        for q in range(p + 1, p + span):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return p
+    raise RuntimeError("no free port range")
+
+
+def http_json(url: str, timeout: float = 5.0) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        with contextlib.suppress(ValueError):
+            return e.code, json.loads(body)
+        return e.code, body
+
+
+def http_text(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+class Deployment:
+    """One ``python -m actors.supervisor TOPOLOGY`` subprocess."""
+
+    def __init__(self, topology: str, tmp: Path, namespace: str, sets: list[str] | None = None,
+                 model: str = "tiny", status_pools: dict[str, int] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.topology = str(TOPOLOGIES / topology)
+        self.tmp = tmp
+        self.namespace = namespace
+        self.model = model
+        self.bus_port = free_port()
+        self.http_port = free_port()
+        # pool -> first status port (replica i listens on port + i)
+        self.status_ports = {pool: free_port(n) for pool, n in (status_pools or {}).items()}
+        self.args = ["--set", f"bus.port={self.bus_port}", "--set", f"frontend.http=127.0.0.1:{self.http_port}",
+                     "--set", f"namespace={namespace}", "--set", f"run_dir={tmp / 'run'}"]
+        for pool, port in self.status_ports.items():
+            self.args += ["--set", f"pools.{pool}.status_port={port}"]
+        self.args += [a for s in (sets or []) for a in ("--set", s)]
+        self.env = env or {}
+        self.log = tmp / "supervisor.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.boot_seconds = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def bus_url(self) -> str:
+        return f"nats://127.0.0.1:{self.bus_port}"
+
+    def start(self) -> None:
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen([PY, "-m", "actors.supervisor", self.topology, *self.args], cwd=ROOT,
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, **self.env})
+
+    def output(self, tail: int = 6000) -> str:
+        return self.log.read_text(errors="replace")[-tail:]
+
+    def health(self) -> tuple[int, Any]:
+        return http_json(f"{self.url}/health")
+
+    def instances(self, role: str | None = None) -> list[str]:
+        status, body = self.health()
+        if status != 200:
+            return []
+        return [i["instance"] for i in body["instances"] if role is None or i["role"] == role]
+
+    def wait_ready(self, instances: dict[str, int], timeout: float) -> None:
+        """Until /health is 200 with at least ``instances[role]`` ready instances per role and
+        /v1/models lists the model."""
+        assert self.proc is not None
+        t0 = time.monotonic()
+        end = t0 + timeout
+        last: Any = None
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                pytest.fail(f"supervisor exited with {self.proc.returncode}:\n{self.output()}")
+            with contextlib.suppress(OSError, ValueError):
+                status, body = self.health()
+                last = (status, body)
+                if status == 200 and all(
+                        sum(1 for i in body["instances"] if i["role"] == role) >= n for role, n in instances.items()):
+                    _, models = http_json(f"{self.url}/v1/models")
+                    if self.model in [m["id"] for m in models["data"]]:
+                        self.boot_seconds = time.monotonic() - t0
+                        return
+            time.sleep(0.25)
+        pytest.fail(f"deployment not ready after {timeout}s (last /health: {last}):\n{self.output()}")
+
+    def wait_until(self, pred: Any, timeout: float, what: str) -> Any:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                v = pred()
+                if v:
+                    return v
+            time.sleep(0.1)
+        pytest.fail(f"{what}: not reached in {timeout}s:\n{self.output(3000)}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM the root supervisor; its exit code. Whatever is left in the group is killed."""
+        assert self.proc is not None
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return -999
+        finally:
+            self.leftovers = self._reap_group()
+
+    def _reap_group(self) -> bool:
+        """True when processes of the deployment's group were still alive 5 s after the CLI exited
+        (they are killed then)."""
+        assert self.proc is not None
+        pgid = self.proc.pid  # start_new_session: the group id is the CLI's pid
+        for _ in range(50):
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return False
+            time.sleep(0.1)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        return True
+
+
+def boot(tmp_path_factory: pytest.TempPathFactory, name: str, topology: str, *, ready: dict[str, int],
+         timeout: float = 60.0, **kw: Any) -> Deployment:
+    tmp = tmp_path_factory.mktemp(name)
+    d = Deployment(topology, tmp, namespace=f"e2e{name.replace('_', '')}{os.getpid()}", **kw)
+    d.start()
+    try:
+        d.wait_ready(ready, timeout)
+    except BaseException:
+        d.stop(20)
+        raise
+    return d
+
+
+def shutdown(d: Deployment) -> None:
+    """Teardown check: SIGTERM → exit 0 and nothing left running."""
+    rc = d.stop()
+    assert rc == 0, f"supervisor exit code {rc}:\n{d.output()}"
+    assert not d.leftovers, f"processes of the deployment outlived the supervisor:\n{d.output()}"

