@@ -15,6 +15,11 @@ Protocol (all control in headers, payload is only the chunk):
   (it crashed, or closed before learning the cancel subject) the server answers that reply subject
   with a 503 "no responders" status; the responder then stops iterating the generator (aclose), so
   the engine request is aborted within one heartbeat interval.
+- responder-gone detection, the mirror image: when a stream has been silent for a little more
+  than one heartbeat interval, the caller sends a request to that same reply subject. A live
+  responder's process answers it; a dead one (SIGKILLed worker) has no subscription left, so the
+  server says "no responders" at once and the caller raises StreamStalled without waiting out the
+  whole stall timeout. A responder that is alive but silent still gets the full stall timeout.
 """
 
 from __future__ import annotations
@@ -135,12 +140,29 @@ class StreamCall:
         finished = False
         try:
             await nc.publish(self.subject, encode_payload(payload, msgpack), reply=inbox, headers=hdrs)
+            loop = asyncio.get_running_loop()
+            # a live responder beats every stall/3 seconds: after a bit more silence than that, ask
+            # whether its process still exists
+            probe_after = min(stall, stall * HEARTBEAT_FRACTION * 1.2)
+            responder: str | None = None
+            last = loop.time()
             while True:
+                silent = loop.time() - last
+                wait = stall - silent if responder is None else min(stall - silent, probe_after)
                 try:
-                    msg = await sub.next_msg(timeout=stall)
+                    msg = await sub.next_msg(timeout=max(wait, 0.001))
                 except nats.errors.TimeoutError:
+                    silent = loop.time() - last
+                    if silent < stall and responder is not None:
+                        if not await _responder_alive(nc, responder, min(1.0, stall - silent)):
+                            raise StreamStalled(f"stream on {self.subject}: responder gone after seq "
+                                                f"{self.received}") from None
+                        continue
                     raise StreamStalled(f"stream on {self.subject} stalled: nothing for {stall:g}s "
                                         f"after seq {self.received}") from None
+                last = loop.time()
+                if msg.reply and responder is None:
+                    responder = msg.reply
                 h = msg.headers or {}
                 if self.instance is None and S.INSTANCE_ID in h:
                     self.instance = h[S.INSTANCE_ID]
@@ -182,6 +204,17 @@ class StreamCall:
                 pass
 
 
+async def _responder_alive(nc: Client, subject: str, timeout: float) -> bool:
+    """False only when the server says nobody is subscribed (the responder's process is gone)."""
+    try:
+        await nc.request(subject, b"", timeout=timeout)
+    except nats.errors.NoRespondersError:
+        return False
+    except Exception:  # slow or unsure: let the stall timeout decide
+        pass
+    return True
+
+
 def stream_request(nc: Client, subject: str, payload: Any, *, stall_timeout: float = DEFAULT_STALL,
                    msgpack: bool = True, chunk_type: Any = None,
                    headers: dict[str, str] | None = None) -> StreamCall:
@@ -208,6 +241,8 @@ class _GoneMux:
             ev = self.waiters.get(msg.subject)
             if ev is not None:
                 ev.set()
+        elif msg.reply:  # a caller's liveness probe: this process is still here
+            await msg._client.publish(msg.reply, b"")
 
     async def register(self) -> tuple[str, asyncio.Event]:
         await asyncio.shield(self._ready)

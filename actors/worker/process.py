@@ -101,7 +101,9 @@ def cpu_slot(t: Topology, pool_name: str, replica: int) -> int:
 
 def build_children(env: WorkerEnv, engine_factory: Callable[[], Engine] | None = None) -> list[ChildSpec]:
     t, pool = env.topology, env.pool
-    factory = engine_factory or factory_for(pool, t.model, seed=env.replica, replica=env.replica,
+    # every replica is the same model (a mocker's seed is its "weights"): a migrated stream must
+    # continue as if nothing happened
+    factory = engine_factory or factory_for(pool, t.model, seed=0, replica=env.replica,
                                             cpu_slot=cpu_slot(t, env.pool_name, env.replica))
     model = t.model.name if t.model else ""
     escalate = env.ctx.subjects.supervisor_node(env.ctx.host, env.node, "escalate")

@@ -86,8 +86,7 @@ def cancellations(d: Deployment, pool: str, replicas: int) -> float:
 
 
 def pin(d: Deployment) -> dict[str, str]:
-    """Send the request to one given worker. Mocker replicas seed their pseudo-tokens with the replica
-    index (actors/worker/process.py: seed=env.replica), so greedy outputs are only comparable on one."""
+    """Send the request to one given worker (the x-worker-instance-id request header pins it)."""
     return {WORKER_HEADER: sorted(d.instances())[0]}
 
 
@@ -165,8 +164,7 @@ class TestMockerAgg:
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
         assert all(ch.usage is None for ch in chunks[:-1])
 
-        # the non-streamed answer at temperature 0 is the streamed one, token for token (on one worker:
-        # each mocker replica draws its pseudo-tokens with its own seed, see pin())
+        # the non-streamed answer at temperature 0 is the streamed one, token for token
         whole = c.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=20, temperature=0,
                                           extra_body=NO_EOS, extra_headers=pin(agg))
         again = c.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=20, temperature=0,
@@ -276,22 +274,28 @@ class TestMockerAgg:
     async def test_sigkill_of_serving_worker_mid_stream_is_migrated(self, agg: Deployment) -> None:
         inst, stream = await start_stream(aclient(agg), LONG)
 
-        async def consume() -> tuple[int, int, Any]:
+        async def consume() -> tuple[int, int, Any, str]:
             pieces, killed = 0, 0
             usage = None
+            text = []
             async for ch in stream:
                 if ch.choices and ch.choices[0].delta.content:
+                    text.append(ch.choices[0].delta.content)
                     pieces += 1
                     if pieces == 20:
                         killed = await kill_serving_worker(agg, inst)
                 if ch.usage is not None:
                     usage = ch.usage
-            return pieces, killed, usage
+            return pieces, killed, usage, "".join(text)
 
-        pieces, killed_pid, usage = await asyncio.wait_for(consume(), 60)
+        pieces, killed_pid, usage, text = await asyncio.wait_for(consume(), 60)
         assert killed_pid, "the stream ended before the worker could be killed"
         assert usage is not None and usage.completion_tokens == LONG
         assert pieces <= LONG
+        # replicas are the same model: the migrated stream reads exactly like an unbroken one
+        unbroken = await aclient(agg).chat.completions.create(model="tiny", messages=PROMPT, max_tokens=LONG,
+                                                             extra_body=NO_EOS)
+        assert text == unbroken.choices[0].message.content
         now = restarted(agg, inst)
         assert inst not in now
         nc = await nats.connect(agg.bus_url)
