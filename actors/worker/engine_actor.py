@@ -97,6 +97,11 @@ class _EngineCancels(StreamCancels):
             await respond(msg, StatusReply(status="ok", message=f"request {rid} cancelled"))
 
 
+def _external_hits(engine: Engine) -> int:
+    sink = getattr(engine, "stats_sink", None)  # vLLM: connector hits per DP rank; the mocker has none
+    return int(sum(getattr(sink, "external_hits", {}).values())) if sink is not None else 0
+
+
 class EngineActor(Actor):
     kind = "engine"
     description = "vLLM-style engine worker: generate (streaming) and control"
@@ -151,7 +156,9 @@ class EngineActor(Actor):
                 "accepting": svc.accepting, "sleeping": svc.sleeping, "dead": svc.dead,
                 "num_running": sum(s.num_running for s in stats),
                 "num_waiting": sum(s.num_waiting for s in stats),
-                "kv_usage": max((s.kv_usage for s in stats), default=0.0)}
+                "kv_usage": max((s.kv_usage for s in stats), default=0.0),
+                # prompt tokens a KV connector brought in from elsewhere (disaggregated decode)
+                "external_prefix_hits": _external_hits(svc.engine) if svc._engine is not None else 0}
 
     # --- endpoints ---------------------------------------------------------------------------------
     def endpoints(self) -> list[Endpoint]:

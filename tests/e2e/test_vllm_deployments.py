@@ -9,6 +9,7 @@ the prefill engine computed.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 from collections.abc import Iterator
 from typing import Any
@@ -27,6 +28,20 @@ PROMPT = [{"role": "user", "content": "Write a short poem about a lighthouse on 
 LONG = [{"role": "user", "content": " ".join(f"item {i} is a {c} stone;" for i, c in
                                               zip(range(60), ["red", "blue", "green", "grey"] * 15, strict=True))}]
 GREEDY: dict[str, Any] = {"max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+async def worker_stats(d: Deployment, instance: str) -> dict[str, Any]:
+    """The engine actor's own statistics over NATS (header-less JSON, as `nats req` sends it)."""
+    import nats
+
+    from bus import rpc
+    from bus.subjects import Subjects
+
+    nc = await nats.connect(d.bus_url)
+    try:
+        return await rpc.request(nc, Subjects(d.namespace).worker(instance, "stats"), {}, timeout=10)
+    finally:
+        await nc.close()
 
 
 def client(d: Deployment) -> OpenAI:
@@ -97,3 +112,7 @@ class TestVllmDisagg:
 
         assert "chat" in reference, "the agg test did not run first (run the whole module)"
         assert r.choices[0].message.content == reference["chat"]
+
+        # ...and the decode engine did not recompute the prompt: its KV connector pulled it (NIXL)
+        stats = asyncio.run(worker_stats(vllm_disagg, decode))
+        assert stats["external_prefix_hits"] > 0, stats
