@@ -1,8 +1,9 @@
 """Streaming request/reply over NATS (the generate path) and the wire helpers shared with ``bus.rpc``.
 
 Protocol (all control in headers, payload is only the chunk):
-- caller subscribes to a fresh inbox and publishes the request with ``reply=inbox`` and the headers
-  ``Request-Id`` and ``Stall-Timeout``;
+- caller publishes the request with ``reply=<inbox>.<token>`` and the headers ``Request-Id`` and
+  ``Stall-Timeout``; ``<inbox>.*`` is one wildcard subscription per connection (:class:`_InboxMux`,
+  like nats-py's own ``request()``), so a request is a single PUB, with no SUB/UNSUB per call;
 - responder sends data chunks with ``Seq`` = 1, 2, ...; while idle it sends heartbeats
   (``Stream-Control: hb``, ``Seq`` = chunks sent so far); it ends with ``Stream-Control: eos`` and
   ``Seq`` = n + 1 (so a lost last chunk is a gap too), or with an error message carrying
@@ -11,10 +12,12 @@ Protocol (all control in headers, payload is only the chunk):
   Unavailable, StreamGap and StreamStalled; if it stops early it publishes ``Request-Id`` to the
   responder's ``Cancel-Subject``.
 - caller-gone detection without extra round trips: the responder publishes every chunk and
-  heartbeat with a reply subject of its own. When the caller's inbox has no subscriber any more
-  (it crashed, or closed before learning the cancel subject) the server answers that reply subject
-  with a 503 "no responders" status; the responder then stops iterating the generator (aclose), so
-  the engine request is aborted within one heartbeat interval.
+  heartbeat with a reply subject of its own. When the caller's process is gone its inbox has no
+  subscriber any more, and the server answers that reply subject with a 503 "no responders"
+  status. When the caller's process lives on but the call is over (it closed before learning the
+  cancel subject, or stopped on a gap), the caller's inbox mux answers a message for an unknown
+  token itself, with ``Stream-Control: gone``. Either way the responder then stops iterating the
+  generator (aclose), so the engine request is aborted within one heartbeat interval.
 - responder-gone detection, the mirror image: when a stream has been silent for a little more
   than one heartbeat interval, the caller sends a request to that same reply subject. A live
   responder's process answers it; a dead one (SIGKILLed worker) has no subscription left, so the
@@ -25,6 +28,7 @@ Protocol (all control in headers, payload is only the chunk):
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 import weakref
@@ -135,8 +139,10 @@ class StreamCall:
             hdrs.update(headers)
         hdrs[S.REQUEST_ID] = self.request_id
         hdrs[S.STALL_TIMEOUT] = f"{stall:g}"
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox, pending_msgs_limit=-1, pending_bytes_limit=-1)
+        mux = _inbox_mux(nc)
+        if not mux.ready:
+            await asyncio.shield(mux.started)
+        inbox, box = mux.open()
         finished = False
         try:
             await nc.publish(self.subject, encode_payload(payload, msgpack), reply=inbox, headers=hdrs)
@@ -149,17 +155,16 @@ class StreamCall:
             while True:
                 silent = loop.time() - last
                 wait = stall - silent if responder is None else min(stall - silent, probe_after)
-                try:
-                    msg = await sub.next_msg(timeout=max(wait, 0.001))
-                except nats.errors.TimeoutError:
+                msg = await box.get(max(wait, 0.001))
+                if msg is None:  # timed out
                     silent = loop.time() - last
                     if silent < stall and responder is not None:
                         if not await _responder_alive(nc, responder, min(1.0, stall - silent)):
                             raise StreamStalled(f"stream on {self.subject}: responder gone after seq "
-                                                f"{self.received}") from None
+                                                f"{self.received}")
                         continue
                     raise StreamStalled(f"stream on {self.subject} stalled: nothing for {stall:g}s "
-                                        f"after seq {self.received}") from None
+                                        f"after seq {self.received}")
                 last = loop.time()
                 if msg.reply and responder is None:
                     responder = msg.reply
@@ -198,10 +203,108 @@ class StreamCall:
                     await nc.publish(self.cancel_subject, b"", headers={S.REQUEST_ID: self.request_id})
                 except Exception as e:  # best effort: the responder also notices the inbox is gone
                     log.debug("cancel publish failed: %s", e)
+            mux.close(inbox)
+
+
+class _CallInbox:
+    """Messages of one stream call, filled by the mux; ``get`` is a future plus a timer (cheaper
+    than nats-py's ``next_msg``, which makes a task, a uuid4 and a ``wait_for`` per message)."""
+
+    __slots__ = ("msgs", "waiter", "closed")
+
+    def __init__(self) -> None:
+        self.msgs: collections.deque[Msg | None] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.closed = False  # the connection closed: get() raises ConnectionClosedError
+
+    def put(self, msg: Msg | None) -> None:
+        self.msgs.append(msg)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def get(self, timeout: float) -> Msg | None:
+        """The next message, or None after ``timeout`` seconds without one."""
+        if not self.msgs:
+            loop = asyncio.get_running_loop()
+            w = self.waiter = loop.create_future()
+            timer = loop.call_later(timeout, _wake, w)
             try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+                await w
+            finally:
+                timer.cancel()
+                self.waiter = None
+            if not self.msgs:
+                return None
+        msg = self.msgs.popleft()
+        if msg is None and self.closed:
+            raise nats.errors.ConnectionClosedError
+        return msg
+
+
+def _wake(w: asyncio.Future[None]) -> None:
+    if not w.done():
+        w.set_result(None)
+
+
+class _InboxMux:
+    """One wildcard inbox subscription per connection for every stream call made on it.
+
+    A call owns the subject ``<prefix>.<token>`` while it runs. A message for a token with no open
+    call (the caller stopped on a gap, closed early before learning the cancel subject, ...) is
+    answered with ``Stream-Control: gone`` on its reply subject, which is what the server's
+    "no responders" did when every call had its own subscription: the responder stops.
+    """
+
+    def __init__(self, nc: Client) -> None:
+        # no reference to nc is kept: _inbox_muxes is keyed weakly by it
+        self.prefix = nc.new_inbox() + "."
+        self.calls: dict[str, _CallInbox] = {}
+        self.ready = False
+        self._n = 0
+        self.started = asyncio.ensure_future(self._subscribe(nc))
+
+    async def _subscribe(self, nc: Client) -> None:
+        sub = await nc.subscribe(self.prefix + "*", cb=self._on_msg, pending_msgs_limit=-1,
+                                 pending_bytes_limit=-1)
+        # nats-py cancels a subscription's task when the connection closes (not on reconnects):
+        # wake every open call then, as a per-call next_msg() used to raise ConnectionClosedError
+        task = getattr(sub, "_wait_for_msgs_task", None)
+        if task is not None:
+            task.add_done_callback(self._on_closed)
+        self.ready = True
+
+    def _on_closed(self, _task: object) -> None:
+        self.ready = False  # the next call on this connection builds a new mux
+        for box in self.calls.values():
+            box.closed = True
+            box.put(None)
+
+    def open(self) -> tuple[str, _CallInbox]:
+        self._n += 1
+        token = str(self._n)
+        box = self.calls[token] = _CallInbox()
+        return self.prefix + token, box
+
+    def close(self, inbox: str) -> None:
+        self.calls.pop(inbox[len(self.prefix):], None)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        box = self.calls.get(msg.subject[len(self.prefix):])
+        if box is not None:
+            box.put(msg)
+        elif msg.reply and not msg._client.is_closed:
+            await msg._client.publish(msg.reply, b"", headers={S.STREAM_CONTROL: S.GONE})
+
+
+_inbox_muxes: weakref.WeakKeyDictionary[Client, _InboxMux] = weakref.WeakKeyDictionary()
+
+
+def _inbox_mux(nc: Client) -> _InboxMux:
+    m = _inbox_muxes.get(nc)
+    if m is None or (m.started.done() and not m.ready):  # none yet, or its subscribe failed
+        m = _inbox_muxes[nc] = _InboxMux(nc)
+    return m
 
 
 async def _responder_alive(nc: Client, subject: str, timeout: float) -> bool:
@@ -237,7 +340,8 @@ class _GoneMux:
         await nc.subscribe(self.prefix + ".*", cb=self._on_msg)
 
     async def _on_msg(self, msg: Msg) -> None:
-        if msg.headers and msg.headers.get(STATUS) == NO_RESPONDERS:
+        h = msg.headers
+        if h and (h.get(STATUS) == NO_RESPONDERS or h.get(S.STREAM_CONTROL) == S.GONE):
             ev = self.waiters.get(msg.subject)
             if ev is not None:
                 ev.set()

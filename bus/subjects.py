@@ -14,10 +14,12 @@ CT_JSON = "application/json"
 CT_MSGPACK = "application/msgpack"
 REQUEST_ID = "Request-Id"
 SEQ = "Seq"
-# Marks stream control messages: "eos" (end of stream), "hb" (heartbeat).
+# Marks stream control messages: "eos" (end of stream), "hb" (heartbeat), "gone" (caller gone).
 STREAM_CONTROL = "Stream-Control"
 EOS = "eos"
 HEARTBEAT = "hb"
+# Caller -> responder (on the responder's chunk reply subject): this stream's caller is gone, stop.
+GONE = "gone"
 # Subject the caller listens on for a worker's cancellation; the worker sends its cancel subject here.
 CANCEL_SUBJECT = "Cancel-Subject"
 SERVICE_ERROR = "Nats-Service-Error"

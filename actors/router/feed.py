@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -73,7 +74,11 @@ class KvRouterFeed:
         self.retry_interval = retry_interval
         self.registry_ttl = registry_ttl
         self.watch_registry = watch_registry
-        self.records: dict[str, dict[str, Any]] = {}  # live ns-instances entries of worker kinds
+        # live ns-instances entries of worker kinds; written only by _on_registry, which also drops
+        # the caches below (known_workers/block_sizes run once per routed request)
+        self.records: dict[str, dict[str, Any]] = {}
+        self._workers_cache: dict[str | None, list[Worker]] = {}
+        self._sizes_cache: Mapping[Worker, int | None] | None = None
         self._buffers: dict[str, list[RouterKvEvent]] = {}  # instance -> events held during recovery
         self._recoveries: dict[str, asyncio.Task[None]] = {}
         self._bootstrapped: set[str] = set()
@@ -126,6 +131,12 @@ class KvRouterFeed:
     # --- queries -------------------------------------------------------------------------------------
     def known_workers(self, role: str | None = None) -> list[Worker]:
         """Live workers from the registry (every DP rank), optionally of one role; sorted."""
+        cached = self._workers_cache.get(role)
+        if cached is None:
+            cached = self._workers_cache[role] = self._known_workers(role)
+        return list(cached)
+
+    def _known_workers(self, role: str | None) -> list[Worker]:
         out: list[Worker] = []
         for inst, rec in self.records.items():
             if role is not None and rec.get("role") != role:
@@ -135,13 +146,16 @@ class KvRouterFeed:
             out.extend((inst, r) for r in range(int(rec.get("dp_size") or 1)))
         return sorted(out)
 
-    def block_sizes(self) -> dict[Worker, int | None]:
-        """Block sizes the workers registered (the router warns when one differs from its own)."""
-        out: dict[Worker, int | None] = {}
-        for inst, rec in self.records.items():
-            for r in range(int(rec.get("dp_size") or 1)):
-                out[(inst, r)] = rec.get("block_size")
-        return out
+    def block_sizes(self) -> Mapping[Worker, int | None]:
+        """Block sizes the workers registered (the router warns when one differs from its own).
+        The same (read-only) mapping is returned until the registry changes."""
+        if self._sizes_cache is None:
+            out: dict[Worker, int | None] = {}
+            for inst, rec in self.records.items():
+                for r in range(int(rec.get("dp_size") or 1)):
+                    out[(inst, r)] = rec.get("block_size")
+            self._sizes_cache = MappingProxyType(out)
+        return self._sizes_cache
 
     @property
     def recovering(self) -> list[str]:
@@ -310,6 +324,8 @@ class KvRouterFeed:
                 await asyncio.sleep(1.0)
 
     def _on_registry(self, ev: RegistryEvent) -> None:
+        self._workers_cache.clear()
+        self._sizes_cache = None
         if ev.kind == "removed":
             known = self.records.pop(ev.key, None) is not None
             if known:

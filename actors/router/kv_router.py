@@ -12,7 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from actors.kv import hashing
 from actors.kv.contract import KvRangeReply, KvSnapshot, RouterKvEvent
@@ -40,6 +40,7 @@ class KvRouter:
         self.load = load or LoadTracker(config.block_size)
         self.selector = CostSelector(config, metrics=self.metrics, rng=rng)
         self._auto_id = 0
+        self._decisions: dict[str, Any] = {}  # mode -> labelled counter child (.labels() costs more than .inc())
 
     # ---- hot path --------------------------------------------------------------------------------
     def route(self, tokens: Sequence[int], workers: Sequence[Worker], *, request_id: str | None = None,
@@ -59,7 +60,10 @@ class KvRouter:
         m.hashing_seconds.observe(t1 - t0)
         m.matching_seconds.observe(t2 - t1)
         m.scheduling_seconds.observe(t3 - t2)
-        m.decisions.labels(self.mode).inc()
+        dec = self._decisions.get(self.mode)
+        if dec is None:
+            dec = self._decisions[self.mode] = m.decisions.labels(self.mode)
+        dec.inc()
         m.observe_hit(len(seqs), decision.overlap_blocks)
         if request_id is None:
             self._auto_id += 1

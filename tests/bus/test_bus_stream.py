@@ -262,3 +262,74 @@ async def test_hung_responder_gets_the_full_stall_timeout(bus: BusContext, nats_
     finally:
         proc.kill()
         proc.wait()
+
+
+async def test_calls_share_one_inbox_subscription(bus: BusContext, responder: Responder) -> None:
+    """A stream call is a single PUB: every call on a connection uses one wildcard inbox
+    subscription, so the connection's subscription count does not grow with calls."""
+    got = [c["i"] async for c in stream_request(bus.nc, responder.subject, {"n": 2})]
+    assert got == [0, 1]
+    subs = len(bus.nc._subs)
+    calls = [stream_request(bus.nc, responder.subject, {"n": 3, "interval": 0.05}) for _ in range(20)]
+    firsts = await asyncio.gather(*(c.__anext__() for c in calls))  # all 20 calls are open now
+    assert [f["i"] for f in firsts] == [0] * 20
+    assert len(bus.nc._subs) == subs
+
+    async def drain(call):  # type: ignore[no-untyped-def]
+        return [c["i"] async for c in call]
+
+    results = await asyncio.gather(*(drain(c) for c in calls))
+    assert results == [[1, 2]] * 20
+    assert len(bus.nc._subs) == subs
+
+
+CALLER = r"""
+import asyncio, sys
+from bus.connection import connect
+from bus.stream import stream_request
+
+async def main(url, subject):
+    nc = await connect(url, "killable-caller")
+    async for _ in stream_request(nc, subject, {"n": 100000, "interval": 0.02}, stall_timeout=0.6):
+        print("chunk", flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_killed_caller_process_stops_the_responder(bus: BusContext, nats_server) -> None:  # type: ignore[no-untyped-def]
+    """A SIGKILLed caller takes its inbox subscription with it: the server answers the responder's
+    next chunk with "no responders" and the generator is closed."""
+    r = Responder(bus, bus.subjects.echo("callervictim"), None)
+    await r.start()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", CALLER, nats_server.url, r.subject], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE)
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), 30)  # type: ignore[union-attr]
+        assert line.strip() == b"chunk"
+        proc.kill()
+        await asyncio.wait_for(r.closed.wait(), 5)
+        assert not r.completed
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_closing_the_connection_ends_open_calls(nats_server, responder: Responder) -> None:  # type: ignore[no-untyped-def]
+    """Calls waiting on the shared inbox fail at once when their connection closes (as a
+    per-call subscription's next_msg did), instead of waiting out the stall timeout."""
+    import nats.errors
+
+    from bus.connection import connect
+
+    nc = await connect(nats_server.url, "closing-caller")
+    call = stream_request(nc, responder.subject, {"n": 1000, "interval": 0.2}, stall_timeout=30)
+    assert (await call.__anext__())["i"] == 0
+    t0 = time.monotonic()
+    closer = asyncio.create_task(nc.close())
+    with pytest.raises(nats.errors.ConnectionClosedError):
+        await call.__anext__()
+    await closer
+    assert time.monotonic() - t0 < 10

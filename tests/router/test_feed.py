@@ -197,6 +197,7 @@ async def test_worker_removed_on_deregistration_and_expiry(bus: BusContext, clus
     await b.generate(list(range(40)), "b")
     await converged(router, feed, a, b)
     assert router.route(list(range(40)), feed.known_workers()).overlap_blocks == 10
+    assert set(feed.block_sizes()) == {("wr1", 0), ("wr2", 0)}
     # load reports are reconciled too
     await bus.nc.publish(bus.subjects.load("wr1"), codec.encode(
         LoadReport(instance="wr1", num_running=3, num_waiting=1, kv_usage=0.5, active_kv_blocks=7,
@@ -208,6 +209,7 @@ async def test_worker_removed_on_deregistration_and_expiry(bus: BusContext, clus
     await a.registry.deregister("wr1")
     await eventually(lambda: ("wr1", 0) not in router.index.workers())
     assert feed.known_workers() == [("wr2", 0)] and indexed(router, b) == b.blocks()
+    assert set(feed.block_sizes()) == {("wr2", 0)}  # the per-request caches follow the registry
     # a departed worker's stray events do not bring it back (e.g. its engine sleeps, deregistered)
     await a.generate(list(range(500, 520)), "stray")
     await eventually(lambda: feed.counters["events_ignored"] >= 1)
@@ -216,7 +218,7 @@ async def test_worker_removed_on_deregistration_and_expiry(bus: BusContext, clus
     assert b.registry is not None
     await b.registry.close()
     await eventually(lambda: router.index.workers() == [], timeout=10.0)
-    assert feed.known_workers() == [] and len(router.index) == 0
+    assert feed.known_workers() == [] and len(router.index) == 0 and not feed.block_sizes()
     assert feed.counters["workers_removed"] == 2
 
 
