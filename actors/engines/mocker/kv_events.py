@@ -1,8 +1,9 @@
 """KV-cache events in exactly vLLM's ZMQ wire format, without importing vLLM (an 11 s import).
 
-The Structs below are field-for-field copies of ``vllm.distributed.kv_events`` (vllm 0.32):
-same class names (msgspec uses the class name as the tag value under the ``"type"`` key), same
-field names and order, ``omit_defaults`` on events, ``array_like`` batches. A subscriber decoding
+The event Structs (from ``actors.kv.vllm_events``) are field-for-field copies of
+``vllm.distributed.kv_events`` (vllm 0.32): same class names (msgspec uses the class name as the
+tag value under the ``"type"`` key), same field names and order, ``omit_defaults`` on events,
+``array_like`` batches. A subscriber decoding
 with vLLM's own ``KVEventBatch`` cannot tell the mocker from vLLM (tests check this).
 
 Transport, also as vLLM's ``ZmqEventPublisher``:
@@ -20,71 +21,29 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
 
+from actors.kv.vllm_events import (  # noqa: F401 - re-exported for the mocker and its tests
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVEventBatch,
+    VllmKvEvent,
+    decode_batch,
+)
+
 logger = logging.getLogger(__name__)
 
-ExternalBlockHash = bytes | int
-MEDIUM_GPU = "GPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base class; the tag (class name) travels under ``"type"`` like vLLM's."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
-
-_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-
-
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode one payload frame with the local Structs."""
-    return _decoder.decode(payload)
+# The event Structs are actors.kv.vllm_events' (the one local, byte-checked copy of vLLM's classes):
+# the KV publisher decodes with the same module, so the mocker cannot drift from the decoder.
+KVEvent = VllmKvEvent
 
 
 class ZmqKvEventPublisher:
