@@ -24,32 +24,13 @@ from bus.errors import BadRequest, NotFound
 from bus.registry import Registry
 from bus.stream import stream_request
 from supervisors.topology_loader import load_topology
+from tests.worker.test_worker_process import write_topology
+
+FAST_RESTART = '[pools.agg.supervisor]\nstrategy = "rest_for_one"\nbackoff = { initial = 0.05, max = 0.2 }\n'
 
 
 def write(tmp: Path, url: str, ns: str, extra: str = "", args: str = "") -> Path:
-    p = tmp / f"{ns}.toml"
-    p.write_text(f"""
-namespace = "{ns}"
-[bus]
-url = "{url}"
-[model]
-name = "mock-model"
-path = "mock"
-[frontend]
-enabled = false
-[pools.agg]
-role = "agg"
-engine = "mocker"
-{extra}
-[pools.agg.supervisor]
-strategy = "rest_for_one"
-backoff = {{ initial = 0.05, max = 0.2 }}
-[pools.agg.engine_args]
-speedup_ratio = 0.0
-block_size = 16
-{args}
-""")
-    return p
+    return write_topology(tmp, url, ns, extra=f"{FAST_RESTART}{extra}", args=args)
 
 
 async def engine_instance(ctx, timeout: float = 15.0) -> str:
