@@ -49,7 +49,9 @@ class VllmEngine(Engine):
 
     def __init__(self, engine_args: Mapping[str, Any], role: Role = "agg",
                  served_model_name: str | None = None, kv_events_port: int | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, identity_lora: bool | None = None) -> None:
+        """``identity_lora``: send base-model requests through a zero adapter when LoRA is on
+        (None = only on CPU, where mixed base/LoRA batches are otherwise wrong; see identity_lora.py)."""
         if role not in _ROLES:
             raise ValueError(f"role must be one of {_ROLES}, not {role!r}")
         self.role = role
@@ -65,6 +67,8 @@ class VllmEngine(Engine):
         self._kv_sources: list[KvEventSource] = []
         self._vllm_dead_error: type[BaseException] = EngineDeadError
         self._mp_off = False
+        self._identity_opt = identity_lora
+        self._identity: LoraRef | None = None
 
     # --- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -90,6 +94,7 @@ class VllmEngine(Engine):
         self._sink.ensure_ranks(self.facts.dp_size)
         self._kv_sources = self._resolve_kv_sources()
         self._pin_cpus()
+        self._identity = await asyncio.to_thread(self._identity_adapter, llm)
         self._watch = asyncio.create_task(self._watch_death(), name="vllm-engine-death-watch")
         logger.info("vLLM engine up: role=%s model=%s max_len=%d block=%d kv_blocks=%d kv_events=%s",
                     self.role, self.facts.served_model_name, self.facts.max_model_len,
@@ -112,6 +117,17 @@ class VllmEngine(Engine):
             vllm_config = vllm_args.create_vllm_config(args)
             return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self._sink.logger_factory()],
                                              disable_log_stats=args.disable_log_stats)
+
+    def _identity_adapter(self, llm: Any) -> LoraRef | None:
+        lora_config = getattr(llm.vllm_config, "lora_config", None)
+        wanted = self._identity_opt if self._identity_opt is not None else vllm_args.is_cpu_platform()
+        if lora_config is None or not wanted:
+            return None
+        from actors.engines import identity_lora as idl
+
+        path = idl.ensure_identity_adapter(llm.vllm_config.model_config.hf_config,
+                                           rank=min(8, int(lora_config.max_lora_rank)))
+        return LoraRef(idl.IDENTITY_LORA_NAME, idl.IDENTITY_LORA_ID, str(path))
 
     async def shutdown(self) -> None:
         if self._watch is not None:
@@ -153,7 +169,7 @@ class VllmEngine(Engine):
         llm = self._live()
         params = self._sampling_params(sampling, kv_transfer_params)
         stream = llm.generate(self._vllm_prompt(prompt), params, request_id,
-                              lora_request=_lora_request(lora))
+                              lora_request=_lora_request(lora or self._identity))
         first = True
         try:
             async for out in stream:
@@ -250,7 +266,8 @@ class VllmEngine(Engine):
         return bool(await self._live().remove_lora(lora.int_id))
 
     async def list_loras(self) -> list[int]:
-        return sorted(await self._live().list_loras())
+        ids = await self._live().list_loras()
+        return sorted(i for i in ids if self._identity is None or i != self._identity.int_id)
 
     async def check_health(self) -> None:
         llm = self._live()

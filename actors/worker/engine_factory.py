@@ -101,7 +101,8 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port:
     if pool.prompt_embeds:
         args.setdefault("enable_prompt_embeds", True)
     kw = _kw(VllmEngine, {"role": pool.role, "served_model_name": served,
-                          "kv_events_port": kv_events_port, "env": engine_env(pool, replica, cpu_slot)})
+                          "kv_events_port": kv_events_port, "env": engine_env(pool, replica, cpu_slot),
+                          "identity_lora": pool.lora.identity_adapter})
     return VllmEngine(args, **kw)
 
 

