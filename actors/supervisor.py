@@ -118,7 +118,9 @@ class ControlChild:
 
     def __init__(self, link: BusLink, root: Any) -> None:
         from supervisors.service import SupervisorService
-        self.svc = SupervisorService(link.child_ctx(), root)
+        # spawn over NATS (operators, a planner) may only add worker processes of this install
+        self.svc = SupervisorService(link.child_ctx(), root,
+                                     allowed_commands=[(sys.executable, "-m", "actors.worker.process")])
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:

@@ -68,13 +68,22 @@ class SpawnRequest(_Req):
     wait: bool = True
 
 
+def _allows(allowed: str | Sequence[str], argv: Sequence[str]) -> bool:
+    if isinstance(allowed, str):
+        return argv[0] == allowed
+    return list(argv[:len(allowed)]) == list(allowed)
+
+
 class SupervisorService:
     """Serves one Supervisor on ``Subjects.supervisor(host, verb)`` (or ``supervisor_node`` when
     ``node`` is given, for a supervisor nested under the host's root)."""
 
     def __init__(self, ctx: BusContext, supervisor: Supervisor, *, node: str | None = None,
                  log_dir: str | None = None, base_env: Mapping[str, str] | None = None,
-                 allowed_commands: Sequence[str] | None = None, version: str = "0.1.0") -> None:
+                 allowed_commands: Sequence[str | Sequence[str]] | None = None,
+                 version: str = "0.1.0") -> None:
+        """``allowed_commands``: what ``spawn`` may run — an executable (argv[0]) or an argv prefix
+        such as ``(python, "-m", "actors.worker.process")``; None allows anything."""
         self.ctx = ctx
         self.sup = supervisor
         self.node = node
@@ -162,8 +171,8 @@ class SupervisorService:
         req = codec.decode(msg.data, msg.headers, type=SpawnRequest)
         if not req.argv:
             raise BadRequest("spawn: argv must not be empty")
-        if self.allowed_commands is not None and req.argv[0] not in self.allowed_commands:
-            raise BadRequest(f"spawn: command {req.argv[0]!r} is not allowed here")
+        if self.allowed_commands is not None and not any(_allows(a, req.argv) for a in self.allowed_commands):
+            raise BadRequest(f"spawn: command {' '.join(req.argv[:3])!r} is not allowed here")
         if req.shutdown != "brutal_kill" and req.shutdown < 0:
             raise BadRequest("spawn: shutdown must be >= 0 or \"brutal_kill\"")
         if self._child_view(req.id) is not None:

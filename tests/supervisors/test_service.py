@@ -116,11 +116,14 @@ async def test_spawn_stop_process_child(bus: Any, served: Any) -> None:
 async def test_spawn_allow_list(bus: Any) -> None:
     sup = Supervisor("node", [], backoff=Backoff(initial=0.01, jitter=0))
     await sup.start()
-    svc = await serve_supervisor(bus, sup, node="w0", allowed_commands=["/bin/true"])
+    svc = await serve_supervisor(bus, sup, node="w0",
+                                 allowed_commands=["/bin/true", (sys.executable, "-m", "actors.worker.process")])
     try:
-        with pytest.raises(BadRequest, match="not allowed"):
-            await request(bus.nc, bus.subjects.supervisor_node(bus.host, "w0", "spawn"),
-                          {"id": "x", "argv": ["/bin/sh", "-c", "echo pwned"]})
+        subject = bus.subjects.supervisor_node(bus.host, "w0", "spawn")
+        for argv in (["/bin/sh", "-c", "echo pwned"], [sys.executable, "-c", "print('pwned')"],
+                     [sys.executable, "-m", "actors.other"]):
+            with pytest.raises(BadRequest, match="not allowed"):
+                await request(bus.nc, subject, {"id": "x", "argv": argv})
         assert sup.children() == []
     finally:
         await svc.stop()
