@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import PREFILL_HEADER, WORKER_HEADER, Deployment, boot, free_port, shutdown
+from tests.e2e.conftest import PREFILL_HEADER, WORKER_HEADER, Deployment, boot, free_port, http_text, shutdown
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
@@ -83,6 +83,12 @@ class TestVllmAgg:
         assert first.usage.prompt_tokens > 200
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert cached is not None and cached > 0 and cached % 32 == 0, second.usage
+
+    def test_worker_metrics_include_vllms_own(self, vllm_agg: Deployment) -> None:
+        """The worker's status port exports our worker series and vLLM's own, side by side."""
+        text = http_text(f"http://127.0.0.1:{vllm_agg.status_ports['agg']}/metrics")
+        assert "worker_requests_total" in text and "worker_kv_total_blocks" in text
+        assert "vllm:num_requests_running" in text and "vllm:prompt_tokens_total" in text
 
 
 @pytest.fixture(scope="class")
