@@ -47,6 +47,9 @@ class ModelConfig(_Strict):
     tokenizer: str | None = None  # defaults to path
     chat_template: str | None = None  # file overriding the model's template
     migration_limit: int = 3
+    # a stream to migrate waits this long for a worker when none is left (e.g. the only worker's
+    # engine is restarting); 0 = fail at once
+    migration_wait: float = 60.0
     context_length: int | None = None  # defaults to the engine's max_model_len
     allow_decode_only: bool = True  # disagg: fall back to decode-only when no prefill worker
 

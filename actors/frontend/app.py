@@ -217,7 +217,8 @@ class FrontendApp:
                 plan, self.workers, self.router, self.opener,
                 target=request.headers.get(WORKER_HEADER),
                 allow_decode_only=mc.allow_decode_only if mc is not None else True,
-                migration_limit=migration_limit, on_migrate=m.migrations.labels(label).inc)
+                migration_limit=migration_limit, on_migrate=m.migrations.labels(label).inc,
+                migration_wait=mc.migration_wait if mc is not None else 60.0)
             for ids, _ in plan.prompts:
                 if ids is not None:
                     m.input_tokens.labels(label).observe(len(ids))

@@ -31,6 +31,7 @@ class Worker:
     subject: str
     block_size: int | None = None
     host: str = ""
+    started_at: float = 0.0  # the incarnation: an instance restarted in place keeps its id, not this
 
 
 @dataclass
@@ -150,7 +151,8 @@ class WorkerSet:
             if rec.status != "ready" or not rec.generate_subject or rec.kind not in GENERATE_KINDS:
                 continue
             w = Worker(instance=rec.instance, model=rec.model, pool=rec.pool or rec.role, role=rec.role,
-                       subject=rec.generate_subject, block_size=rec.block_size, host=rec.host)
+                       subject=rec.generate_subject, block_size=rec.block_size, host=rec.host,
+                       started_at=rec.started_at)
             by_role.setdefault((rec.model, rec.role), []).append(w)
         for ws in by_role.values():
             ws.sort(key=lambda w: w.instance)  # stable order for round robin

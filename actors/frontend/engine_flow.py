@@ -12,6 +12,7 @@ Closing the generator closes the worker stream, which publishes the cancel to th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ class FlowSpec:
     target: str | None = None  # x-worker-instance-id
     allow_decode_only: bool = True
     migration_limit: int = 3
+    migration_wait: float = 60.0
 
 
 @dataclass
@@ -72,6 +74,7 @@ class FlowState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     failed: set[str] = field(default_factory=set)
+    failed_incarnation: dict[str, float] = field(default_factory=dict)  # instance -> its started_at
 
 
 class CompletionFlow:
@@ -142,8 +145,15 @@ class CompletionFlow:
         produced: list[int] = []
         produced_text: list[str] = []
         target = spec.target
+        err: ActorError | None = None
         while True:
             pool = self._pool("serve")
+            if st.failed:
+                self._forgive_restarted(pool)
+            if (st.migrations and not isinstance(err, Overloaded)
+                    and not any(w.instance not in st.failed for w in pool)):
+                # the worker died (not refused): wait for it, or another, to come back
+                pool = await self._wait_for_worker()
             req = self._request(prefill, produced, produced_text)
             router = self.router
             worker = router.choose(pool, req.token_ids, st.failed, target=target, lora=spec.lora,
@@ -164,13 +174,14 @@ class CompletionFlow:
                     if chunk.finish_reason is not None:
                         return
                 # ended cleanly without a finish reason: the worker lost the request
-                err: ActorError = TransportError(f"stream from {worker.instance} ended without a finish reason")
+                err = TransportError(f"stream from {worker.instance} ended without a finish reason")
             except MIGRATABLE as e:
                 err = e
             finally:
                 router.finished(req.request_id)  # type: ignore[arg-type]
                 await call.aclose()
             st.failed.add(worker.instance)
+            st.failed_incarnation[worker.instance] = worker.started_at
             remaining = spec.sampling.max_tokens - len(produced)
             if st.migrations >= spec.migration_limit:
                 if not produced and st.migrations == 0 and isinstance(err, Overloaded):
@@ -189,6 +200,31 @@ class CompletionFlow:
                         spec.migration_limit)
             if self.on_migrate is not None:
                 self.on_migrate()
+
+    def _forgive_restarted(self, pool: list[Worker]) -> None:
+        """An instance that failed this request but has since restarted (in place, same id, new
+        ``started_at``) is a new incarnation and may serve again."""
+        st = self.state
+        for w in pool:
+            if w.instance in st.failed and w.started_at != st.failed_incarnation.get(w.instance):
+                st.failed.discard(w.instance)
+
+    async def _wait_for_worker(self) -> list[Worker]:
+        """Every worker this request could use has failed it: wait (bounded) for one to come back
+        (the only worker's engine restarted in place, or its process restarted under a new id)."""
+        spec, st = self.spec, self.state
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + spec.migration_wait
+        log.info("request %s: no worker left to migrate to; waiting up to %.0fs for one",
+                 spec.request_id, spec.migration_wait)
+        while True:
+            pool = self._pool("serve")
+            self._forgive_restarted(pool)
+            if any(w.instance not in st.failed for w in pool):
+                return pool
+            if loop.time() >= deadline:
+                raise Overloaded(f"no worker came back within {spec.migration_wait:g}s to continue the stream")
+            await asyncio.sleep(0.1)
 
     def _request(self, prefill: PrefillResult | None, produced: list[int],
                  produced_text: list[str]) -> GenerateRequest:

@@ -160,7 +160,7 @@ class Choice:
 
 def build_choices(plan: Plan, workers: WorkerSet, router: Router, opener: Opener, *,
                   target: str | None, allow_decode_only: bool, migration_limit: int,
-                  on_migrate: Callable[[], None] | None) -> list[Choice]:
+                  on_migrate: Callable[[], None] | None, migration_wait: float = 60.0) -> list[Choice]:
     choices = []
     idx = 0
     for p, (ids, text) in enumerate(plan.prompts):
@@ -171,7 +171,8 @@ def build_choices(plan: Plan, workers: WorkerSet, router: Router, opener: Opener
                 so = msgspec.structs.replace(base, seed=base.seed + j)
             spec = FlowSpec(model=plan.entry, request_id=f"{plan.request_id}-{idx}", sampling=so,
                             token_ids=ids, prompt=text, lora=plan.lora, target=target,
-                            allow_decode_only=allow_decode_only, migration_limit=migration_limit)
+                            allow_decode_only=allow_decode_only, migration_limit=migration_limit,
+                            migration_wait=migration_wait)
             choices.append(Choice(idx, CompletionFlow(spec, workers, router, opener, on_migrate),
                                   plan, ids))
             idx += 1

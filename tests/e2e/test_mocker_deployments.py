@@ -119,7 +119,7 @@ def restarted(d: Deployment, killed: str) -> list[str]:
 
 # Two workers at a quarter of real speed: a 200-token stream takes a few seconds (long enough to kill
 # its worker mid-way), short requests still take well under a second.
-# A SIGKILLed worker ends no stream: the frontend notices through the stall bound (default 10 s).
+# A SIGKILLed worker ends no stream: the frontend's liveness probe notices about one heartbeat later.
 SLOW = ["pools.agg.replicas=2", "pools.agg.engine_args.speedup_ratio=0.25", "supervisor.backoff.initial=0.1",
         "frontend.stall_timeout=3"]
 LONG = 200
@@ -374,3 +374,37 @@ class TestNoMigration:
         with pytest.raises(APIError) as ei:  # the SSE error event; bounded: never a hang
             await asyncio.wait_for(consume(), 60)
         assert re.search(r"(?i)migrat|worker|unavailable|engine|stream", str(ei.value)), str(ei.value)
+
+
+# --- a single worker whose engine dies and is restarted in place ------------------------------------
+
+
+@pytest.fixture(scope="class")
+def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    # every engine incarnation dies after 30 generated tokens (mocker fault injection); the worker
+    # supervisor restarts it in place, under the same instance id
+    d = boot(tmp_path_factory, "single", "mocker-agg.toml", ready={"agg": 1},
+             sets=["pools.agg.engine_args.speedup_ratio=0.25", "pools.agg.engine_args.die_after_tokens=30",
+                   "pools.agg.supervisor.backoff.initial=0.1", "frontend.stall_timeout=3"])
+    yield d
+    shutdown(d)
+
+
+class TestSingleWorkerEngineRestart:
+    async def test_stream_outlives_an_in_place_engine_restart(self, single: Deployment) -> None:
+        (inst,) = single.instances()
+        served, stream = await start_stream(aclient(single), 50)
+        assert served == inst
+
+        async def consume() -> Any:
+            usage = None
+            async for ch in stream:
+                if ch.usage is not None:
+                    usage = ch.usage
+            return usage
+
+        usage = await asyncio.wait_for(consume(), 90)
+        assert usage is not None and usage.completion_tokens == 50
+        assert single.instances() == [inst]  # the same worker, its engine restarted in place
+        metrics = http_text(f"{single.url}/metrics")
+        assert re.search(r'frontend_migrations_total\{model="tiny"\} [1-9]', metrics), "no migration happened"

@@ -4,6 +4,7 @@ real NATS with scripted workers (tests/frontend/conftest.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import Any
@@ -16,6 +17,7 @@ from actors.frontend.app import PREFILL_HEADER, WORKER_HEADER
 from actors.worker.contract import LoraRecord
 from bus.registry import Registry
 from supervisors.topology import ModelConfig
+from tests.frontend.conftest import ScriptedWorker
 
 MODEL = "tiny"
 
@@ -110,6 +112,40 @@ async def test_migration_completes_the_stream(deploy: Any, text_ids: list[int]) 
     assert req.sampling.max_tokens == 8
     metrics = deploy.frontend.metrics.render().decode()
     assert 'frontend_migrations_total{model="tiny"} 1.0' in metrics
+
+
+async def test_single_worker_restarted_in_place_continues_the_stream(deploy: Any, text_ids: list[int]) -> None:
+    """The only worker dies mid-stream and comes back under the same instance id (an engine restarted
+    in place by its worker supervisor): the frontend waits for it and the client's stream completes."""
+    dying = await deploy.worker(die_after=4, delay=0.01)
+    await deploy.start_frontend()
+    await deploy.wait_ready(1)
+
+    async def restart_in_place() -> ScriptedWorker:
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(dying.wait(), 10)  # the scripted death tore it down (deregistered)
+        await asyncio.sleep(0.5)  # "engine start"
+        return await deploy.worker(delay=0.01, instance=dying.instance)
+
+    restarter = asyncio.create_task(restart_in_place())
+    stream = await client(deploy).completions.create(model=MODEL, prompt=[9, 9, 9], max_tokens=12, stream=True,
+                                                     stream_options={"include_usage": True})
+    chunks = [ch async for ch in stream]
+    back = await restarter
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    pre = deploy.frontend.app.pre_cache.peek(deploy.tiny_dir, None)
+    assert text == pre.decode([text_ids[(3 + i) % len(text_ids)] for i in range(12)])
+    assert chunks[-1].usage.completion_tokens == 12
+    assert back.requests and back.requests[-1].sampling.max_tokens == 8  # the rest, on the new incarnation
+
+
+async def test_migration_gives_up_when_no_worker_comes_back(deploy: Any) -> None:
+    await deploy.worker(die_after=2, delay=0.01)
+    await deploy.start_frontend(model_config=ModelConfig(name=MODEL, path=deploy.tiny_dir, migration_wait=0.5))
+    await deploy.wait_ready(1)
+    with pytest.raises(openai.APIStatusError) as ei:
+        await asyncio.wait_for(client(deploy).completions.create(model=MODEL, prompt=[1, 2], max_tokens=10), 20)
+    assert ei.value.status_code in (500, 503) and "came back" in str(ei.value.body)
 
 
 async def test_migration_limit_zero_is_a_clean_error(deploy: Any) -> None:
