@@ -117,9 +117,19 @@ async def test_lora_and_kv_publisher_through_restart(nats_server, tmp_path: Path
 
         # The engine dies (fault injection after 60 tokens); rest_for_one restarts it and the LoRA
         # manager after it, which re-applies the adapter from ns-loras.
+        reg = Registry(ctx.js, ctx.subjects.bucket_instances)
+        await reg.ensure()
+        first_start = json.loads(await reg.get(inst) or b"{}")["started_at"]
         with pytest.raises(Exception):  # noqa: B017 - the stream ends with a typed transport/engine error
             for _ in range(10):
                 await generate(ctx, inst, prompt, n=16)
+        for _ in range(200):  # a new incarnation registers (the dying one still answers for ~2 s)
+            raw = await reg.get(inst)
+            if raw and json.loads(raw)["started_at"] != first_start:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the engine was not restarted")
         for _ in range(200):
             try:
                 listed = await rpc.request(ctx.nc, ctx.subjects.worker(inst, C.ENGINE_LORA_LIST), {}, timeout=1,
