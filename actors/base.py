@@ -33,7 +33,8 @@ from bus.context import BusContext
 from bus.micro import EndpointSpec, ErrorSent, ServiceHandle, add_service
 from bus.registry import Registry
 from bus.rpc import respond
-from bus.stream import StreamCancels, decode_payload, request_id, respond_stream
+from bus.stream_responder import StreamCancels, request_id, respond_stream
+from bus.wire import decode_payload
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from bus.errors import ActorError
-from bus.stream import error_headers
+from bus.wire import error_headers
 
 log = logging.getLogger(__name__)
 

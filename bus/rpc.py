@@ -17,16 +17,9 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus.errors import ActorError, RequestTimeout, Unavailable
-from bus.stream import (
-    StreamCall,
-    StreamCancels,
-    decode_payload,
-    encode_payload,
-    error_headers,
-    raise_if_error,
-    respond_stream,
-    stream_request,
-)
+from bus.stream import StreamCall, stream_request
+from bus.stream_responder import StreamCancels, respond_stream
+from bus.wire import decode_payload, encode_payload, error_headers, raise_if_error
 
 log = logging.getLogger(__name__)
 

@@ -30,74 +30,28 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import ActorError, RemoteError, StreamGap, StreamStalled, Unavailable, error_from_code
+from bus.errors import RemoteError, StreamGap, StreamStalled, Unavailable
+from bus.wire import (
+    DEFAULT_STALL,
+    HEARTBEAT_FRACTION,
+    NO_RESPONDERS,
+    STATUS,
+    decode_payload,
+    encode_payload,
+    raise_if_error,
+)
 
 log = logging.getLogger(__name__)
-
-STATUS = "Status"  # nats-py puts the server's inline status (e.g. 503 no responders) here
-NO_RESPONDERS = "503"
-DEFAULT_STALL = 10.0
-HEARTBEAT_FRACTION = 1 / 3  # heartbeat at a third of the caller's stall timeout
-
-_decoders: dict[tuple[bool, Any], Any] = {}
-
-
-# --- wire helpers (shared with bus.rpc) -----------------------------------------------------------
-def decode_payload(data: bytes, headers: Mapping[str, str] | None, type: Any = None) -> Any:
-    """Decode by Content-Type with cached typed decoders (hot path of streams)."""
-    if type is None:
-        return codec.decode(data, headers)
-    mp = codec.is_msgpack(headers)
-    dec = _decoders.get((mp, type))
-    if dec is None:
-        dec = (msgspec.msgpack.Decoder if mp else msgspec.json.Decoder)(type)
-        _decoders[(mp, type)] = dec
-    if not data and not mp:
-        data = b"{}"
-    try:
-        return dec.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return codec.decode(data, headers, type)  # raises BadRequest with the precise message
-
-
-def encode_payload(payload: Any, msgpack: bool) -> bytes:
-    if isinstance(payload, bytes | bytearray | memoryview):
-        return bytes(payload)
-    return codec.encode(payload, msgpack=msgpack)
-
-
-def error_headers(err: ActorError, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    h = {S.SERVICE_ERROR: err.message or type(err).__name__, S.SERVICE_ERROR_CODE: str(err.code)}
-    if extra:
-        h.update(extra)
-    return h
-
-
-def raise_if_error(headers: Mapping[str, str] | None) -> None:
-    """Turn a service-error or no-responders message into the typed exception."""
-    if not headers:
-        return
-    if headers.get(STATUS) == NO_RESPONDERS:
-        raise Unavailable("no responders")
-    desc = headers.get(S.SERVICE_ERROR)
-    if desc is not None or S.SERVICE_ERROR_CODE in headers:
-        try:
-            code = int(headers.get(S.SERVICE_ERROR_CODE, "500"))
-        except ValueError:
-            code = 500
-        raise error_from_code(desc or "remote error", code)
 
 
 # --- caller side ------------------------------------------------------------------------------------
@@ -324,171 +278,3 @@ def stream_request(nc: Client, subject: str, payload: Any, *, stall_timeout: flo
     """Start a streamed request; iterate the result for decoded chunks (see module doc)."""
     return StreamCall(nc, subject, payload, stall_timeout=stall_timeout, msgpack=msgpack,
                       chunk_type=chunk_type, headers=headers)
-
-
-# --- responder side ---------------------------------------------------------------------------------
-class _GoneMux:
-    """One wildcard subscription per connection collecting 'no responders' for stream replies."""
-
-    def __init__(self, nc: Client) -> None:
-        self.prefix = nc.new_inbox()
-        self.waiters: dict[str, asyncio.Event] = {}
-        self._n = 0
-        self._ready = asyncio.ensure_future(self._subscribe(nc))
-
-    async def _subscribe(self, nc: Client) -> None:
-        await nc.subscribe(self.prefix + ".*", cb=self._on_msg)
-
-    async def _on_msg(self, msg: Msg) -> None:
-        h = msg.headers
-        if h and (h.get(STATUS) == NO_RESPONDERS or h.get(S.STREAM_CONTROL) == S.GONE):
-            ev = self.waiters.get(msg.subject)
-            if ev is not None:
-                ev.set()
-        elif msg.reply:  # a caller's liveness probe: this process is still here
-            await msg._client.publish(msg.reply, b"")
-
-    async def register(self) -> tuple[str, asyncio.Event]:
-        await asyncio.shield(self._ready)
-        self._n += 1
-        subject = f"{self.prefix}.{self._n}"
-        ev = asyncio.Event()
-        self.waiters[subject] = ev
-        return subject, ev
-
-
-_muxes: weakref.WeakKeyDictionary[Client, _GoneMux] = weakref.WeakKeyDictionary()
-
-
-def _mux(nc: Client) -> _GoneMux:
-    m = _muxes.get(nc)
-    if m is None:
-        m = _muxes[nc] = _GoneMux(nc)
-    return m
-
-
-def request_id(msg: Msg) -> str:
-    return (msg.headers or {}).get(S.REQUEST_ID) or msg._client._nuid.next().decode()
-
-
-def heartbeat_interval(msg: Msg, heartbeat: float | None) -> float:
-    try:
-        stall = float((msg.headers or {}).get(S.STALL_TIMEOUT, DEFAULT_STALL))
-    except ValueError:
-        stall = DEFAULT_STALL
-    hb = max(0.01, stall * HEARTBEAT_FRACTION)
-    return min(hb, heartbeat) if heartbeat else hb
-
-
-async def respond_stream(nc: Client, msg: Msg, chunks: AsyncIterator[Any], *,
-                         cancel_subject: str | None = None, instance: str | None = None,
-                         heartbeat: float | None = None, msgpack: bool | None = None) -> BaseException | None:
-    """Send ``chunks`` to the caller of ``msg``. Returns the error that ended the stream (already sent
-    to the caller) or None. Cancelling this coroutine (caller's cancel) closes ``chunks``."""
-    reply = msg.reply
-    if not reply:  # fire-and-forget publish: nobody to stream to
-        await _aclose(chunks)
-        return None
-    mp = codec.is_msgpack(msg.headers) if msgpack is None else msgpack
-    hb = heartbeat_interval(msg, heartbeat)
-    gone_subject, gone = await _mux(nc).register()
-    first: dict[str, str] = {}
-    if instance:
-        first[S.INSTANCE_ID] = instance
-    if cancel_subject:
-        first[S.CANCEL_SUBJECT] = cancel_subject
-    ct = S.CT_MSGPACK if mp else S.CT_JSON
-    state = {"seq": 0, "last": time.monotonic(), "first": True}
-
-    async def send(data: bytes, h: dict[str, str]) -> None:
-        if state["first"]:
-            h.update(first)
-            state["first"] = False
-        await nc.publish(reply, data, reply=gone_subject, headers=h)
-        state["last"] = time.monotonic()
-
-    async def produce() -> BaseException | None:
-        try:
-            async for chunk in chunks:
-                state["seq"] += 1
-                await send(encode_payload(chunk, mp), {S.CONTENT_TYPE: ct, S.SEQ: str(state["seq"])})
-            await send(b"", {S.STREAM_CONTROL: S.EOS, S.SEQ: str(state["seq"] + 1)})
-            return None
-        except ActorError as e:
-            await send(b"", error_headers(e, {S.SEQ: str(state["seq"] + 1)}))
-            return e
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as e:
-            log.exception("stream on %s failed", msg.subject)
-            err = ActorError(f"internal error: {type(e).__name__}: {e}")
-            await send(b"", error_headers(err, {S.SEQ: str(state["seq"] + 1)}))
-            return e
-
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(hb)
-            if time.monotonic() - state["last"] >= hb * 0.9:
-                await send(b"", {S.STREAM_CONTROL: S.HEARTBEAT, S.SEQ: str(state["seq"])})
-
-    producer = asyncio.ensure_future(produce())
-    beater = asyncio.ensure_future(beat())
-    gone_wait = asyncio.ensure_future(gone.wait())
-    try:
-        await asyncio.wait({producer, gone_wait}, return_when=asyncio.FIRST_COMPLETED)
-        if producer.done():
-            return producer.result()
-        log.info("stream on %s: caller gone after %d chunks; aborting", msg.subject, state["seq"])
-        return None
-    finally:
-        for t in (beater, gone_wait, producer):
-            t.cancel()
-        if not producer.done():
-            await asyncio.gather(producer, return_exceptions=True)
-        await asyncio.gather(beater, gone_wait, return_exceptions=True)
-        await _aclose(chunks)
-        mux = _muxes.get(nc)
-        if mux is not None:
-            mux.waiters.pop(gone_subject, None)
-
-
-async def _aclose(chunks: Any) -> None:
-    aclose = getattr(chunks, "aclose", None)
-    if aclose is not None:
-        try:
-            await aclose()
-        except Exception as e:
-            log.debug("closing stream generator: %s", e)
-
-
-class StreamCancels:
-    """Request-id -> task map behind one cancel subject (an actor's ``cancel`` endpoint)."""
-
-    def __init__(self) -> None:
-        self.tasks: dict[str, asyncio.Task[Any]] = {}
-        self.cancelled = 0
-
-    def track(self, rid: str, task: asyncio.Task[Any]) -> None:
-        self.tasks[rid] = task
-        task.add_done_callback(lambda _t: self.tasks.pop(rid, None))
-
-    def cancel(self, rid: str) -> bool:
-        task = self.tasks.get(rid)
-        if task is None or task.done():
-            return False
-        self.cancelled += 1
-        task.cancel()
-        return True
-
-    async def handle(self, msg: Msg) -> None:
-        """Message handler for the cancel subject (Request-Id header, or the id as payload)."""
-        rid = (msg.headers or {}).get(S.REQUEST_ID) or msg.data.decode(errors="replace").strip().strip('"')
-        found = self.cancel(rid)
-        if msg.reply:
-            await msg._client.publish(msg.reply, codec.encode({"cancelled": found, "request_id": rid}),
-                                      headers=codec.headers_for(False))
-
-
-__all__ = ["StreamCall", "stream_request", "respond_stream", "StreamCancels", "decode_payload",
-           "encode_payload", "error_headers", "raise_if_error", "request_id", "heartbeat_interval",
-           "error_from_code"]

@@ -45,7 +45,7 @@ from bus import subjects as S
 from bus.errors import BadRequest, EngineDead, NotFound
 from bus.registry import Registry
 from bus.rpc import respond
-from bus.stream import StreamCancels
+from bus.stream_responder import StreamCancels
 from supervisors.topology import ModelConfig, PoolConfig
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,8 @@ from bus import codec
 from bus import subjects as S
 from bus.context import BusContext
 from bus.errors import BadRequest, RemoteError, StreamGap, StreamStalled, Unavailable
-from bus.stream import StreamCancels, request_id, respond_stream, stream_request
+from bus.stream import stream_request
+from bus.stream_responder import StreamCancels, request_id, respond_stream
 
 ROOT = Path(__file__).resolve().parents[2]
 
