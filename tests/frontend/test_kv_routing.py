@@ -133,3 +133,48 @@ async def test_approximate_mode_follows_own_decisions(bus: BusContext, tiny_dir:
         await fe.stop(1.0)
         for w in workers:
             await w.stop(1.0)
+
+
+async def test_disaggregated_session_prefills_on_one_prefill_worker(bus: BusContext, tiny_dir: str) -> None:
+    """kv routing with prefill and decode pools: every prefill of a growing session goes to the prefill
+    worker that holds its prefix, which is never one of the decode workers."""
+    from actors.frontend.app import PREFILL_HEADER
+
+    actors: list[Actor] = []
+    for role, n in (("prefill", 3), ("decode", 2)):
+        for i in range(n):
+            inst = f"{role}{i}"
+            w = EngineActor(bus.child(), pool_name=role, pool=PoolConfig(role=role, engine="mocker"), model=MODEL,
+                            instance=inst, load_interval=0.2,
+                            engine_factory=lambda role=role: MockerEngine(dict(ARGS), role=role,
+                                                                          served_model_name="tiny"))
+            await w.start()
+            actors.append(w)
+            if role == "prefill":  # decode workers publish no KV events
+                pub = KvPublisherActor(bus.child(), inst, role, "tiny", 16, w.service.engine.kv_event_sources())
+                await pub.start()
+                actors.append(pub)
+    fe = FrontendActor(bus.child(), config=FrontendConfig(http="127.0.0.1:0", router="kv"), model_config=MODEL)
+    await fe.start()
+    try:
+        for _ in range(200):
+            if len(fe.workers.ready_instances()) == 5 and getattr(fe._router, "feed", None) is not None:
+                break
+            await asyncio.sleep(0.05)
+        await fe.app._preprocessor(fe.workers.models["tiny"])
+        c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0)
+        words = " ".join(f"d{i}" for i in range(400))
+        prefills, decodes = [], []
+        for turn in range(4):
+            raw = await c.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": words[: 400 + 120 * turn]}], max_tokens=2,
+                extra_body={"ignore_eos": True})
+            prefills.append(raw.headers[PREFILL_HEADER])
+            decodes.append(raw.headers[WORKER_HEADER])
+            await asyncio.sleep(0.3)  # the prefill worker's stored blocks reach the index
+        assert len(set(prefills)) == 1 and prefills[0].startswith("prefill"), prefills
+        assert all(d.startswith("decode") for d in decodes) and not set(prefills) & set(decodes)
+    finally:
+        await fe.stop(1.0)
+        for a in reversed(actors):
+            await a.stop(1.0)
