@@ -27,7 +27,8 @@ from bus.micro import EndpointSpec, ServiceHandle, add_service
 from bus.rpc import respond
 from supervisors.child import ChildSpec, Restart
 from supervisors.process import ProcessChild
-from supervisors.supervisor import Supervisor, describe
+from supervisors.slot import describe
+from supervisors.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

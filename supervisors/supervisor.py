@@ -17,12 +17,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from bus.errors import Conflict, Escalation, NotFound, Unavailable
 from supervisors.backoff import Backoff
 from supervisors.child import Child, ChildSpec
+from supervisors.slot import Slot as Slot
+from supervisors.slot import describe
+from supervisors.slot import giveup_timeout as giveup_timeout
 
 log = logging.getLogger(__name__)
 
@@ -30,35 +32,6 @@ Strategy = Literal["one_for_one", "one_for_all", "rest_for_one"]
 STRATEGIES = ("one_for_one", "one_for_all", "rest_for_one")
 # Extra time given to a child's own stop(timeout) before it is killed outright.
 _STOP_GRACE = 1.0
-
-
-def describe(exc: BaseException | None) -> str:
-    if exc is None:
-        return "normal"
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
-@dataclass(eq=False)
-class _Slot:
-    spec: ChildSpec
-    state: str = "stopped"  # starting | running | restarting (waiting out its backoff) | stopped
-    child: Child | None = None
-    monitor: asyncio.Task[None] | None = None
-    gen: int = 0  # bumps on every start; exit events of an older generation are stale
-    deadline: float = 0.0  # monotonic time the next start is due (state restarting)
-    attempt: int = 0  # consecutive crashes, drives the backoff
-    restarts: int = 0
-    started_at: float | None = None  # wall clock, for operators
-    started_mono: float | None = None
-    last_exit_reason: str | None = None
-    waiters: list[asyncio.Future[None]] = field(default_factory=list)
-
-    def resolve(self, exc: BaseException | None) -> None:
-        for w in self.waiters:
-            if not w.done():
-                w.set_result(None) if exc is None else w.set_exception(exc)
-        self.waiters.clear()
 
 
 class Supervisor:
@@ -78,7 +51,7 @@ class Supervisor:
         self.period = period
         self.backoff = Backoff.of(backoff)
         self.on_status = on_status
-        self._slots: list[_Slot] = [_Slot(spec) for spec in children]
+        self._slots: list[Slot] = [Slot(spec) for spec in children]
         self._restart_times: deque[float] = deque()
         self._events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._loop_task: asyncio.Task[None] | None = None
@@ -132,16 +105,7 @@ class Supervisor:
 
     # --- runtime API (operators, planner, service.py) -------------------------------------------
     def children(self) -> list[dict[str, Any]]:
-        out = []
-        for s in self._slots:
-            pid = getattr(s.child, "pid", None) if s.child is not None else None
-            out.append({"id": s.spec.id, "state": s.state, "restart": s.spec.restart,
-                        "restarts": s.restarts, "pid": pid, "started_at": s.started_at,
-                        "last_exit_reason": s.last_exit_reason,
-                        **({"meta": s.spec.meta} if s.spec.meta else {}),
-                        **({"children": s.child.children()} if isinstance(s.child, Supervisor)
-                           else {})})
-        return out
+        return [slot.view() for slot in self._slots]
 
     def child(self, child_id: str) -> dict[str, Any]:
         """One entry of children(); NotFound when there is no such child."""
@@ -215,7 +179,7 @@ class Supervisor:
         # gave up: stop everything and fail to the parent
         log.error("supervisor %s gives up: %s", self.name, self._failure)
         self._status(f"{self.name}: failed: {self._failure}")
-        await self._stop_all(None if self._stopping else _giveup_timeout(self._slots))
+        await self._stop_all(None if self._stopping else giveup_timeout(self._slots))
         self._finish()
 
     async def _handle(self, ev: tuple[Any, ...]) -> None:
@@ -261,7 +225,7 @@ class Supervisor:
         return await fut
 
     # --- crash handling --------------------------------------------------------------------------
-    async def _crashed(self, slot: _Slot, exc: BaseException | None) -> None:
+    async def _crashed(self, slot: Slot, exc: BaseException | None) -> None:
         """``slot``'s child is gone (exited, crashed, failed to start or was escalated)."""
         reason = describe(exc)
         slot.last_exit_reason = reason
@@ -305,7 +269,7 @@ class Supervisor:
             s.state, s.deadline = "restarting", now + delay
             s.restarts += 1
 
-    def _group(self, slot: _Slot) -> list[_Slot]:
+    def _group(self, slot: Slot) -> list[Slot]:
         """Children restarted together with ``slot``, in start order (stopped ones stay stopped)."""
         if self.strategy == "one_for_one":
             return [slot]
@@ -315,7 +279,7 @@ class Supervisor:
         return live[live.index(slot):]
 
     # --- starting and stopping one child ---------------------------------------------------------
-    async def _start_slot(self, slot: _Slot) -> None:
+    async def _start_slot(self, slot: Slot) -> None:
         spec = slot.spec
         slot.state = "starting"
         self._status(f"{self.name}: starting {spec.id}")
@@ -345,7 +309,7 @@ class Supervisor:
                  f" (pid {child.pid})" if getattr(child, "pid", None) else "")
         slot.resolve(None)
 
-    async def _watch(self, slot: _Slot, gen: int, child: Child) -> None:
+    async def _watch(self, slot: Slot, gen: int, child: Child) -> None:
         exc: BaseException | None = None
         try:
             await child.wait()
@@ -355,7 +319,7 @@ class Supervisor:
             exc = e
         self._events.put_nowait(("exit", slot, gen, exc))
 
-    async def _stop_slot(self, slot: _Slot, timeout: float | None | Literal["spec"] = "spec") -> None:
+    async def _stop_slot(self, slot: Slot, timeout: float | None | Literal["spec"] = "spec") -> None:
         """Stop a running child on purpose: its exit is not a crash."""
         child = slot.child
         if slot.monitor is not None:
@@ -413,13 +377,13 @@ class Supervisor:
         self._done.set()
 
     # --- commands (run inside the loop) ----------------------------------------------------------
-    def _find(self, child_id: str) -> _Slot:
+    def _find(self, child_id: str) -> Slot:
         for s in self._slots:
             if s.spec.id == child_id:
                 return s
         raise NotFound(f"supervisor {self.name} has no child {child_id!r}")
 
-    def _waiter(self, slot: _Slot) -> asyncio.Future[None]:
+    def _waiter(self, slot: Slot) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         slot.waiters.append(fut)
         return fut
@@ -441,7 +405,7 @@ class Supervisor:
     async def _cmd_spawn(self, spec: ChildSpec) -> asyncio.Future[None]:
         if any(s.spec.id == spec.id for s in self._slots):
             raise Conflict(f"supervisor {self.name} already has a child {spec.id!r}")
-        slot = _Slot(spec, state="restarting", deadline=time.monotonic())
+        slot = Slot(spec, state="restarting", deadline=time.monotonic())
         self._slots.append(slot)
         log.info("supervisor %s: spawning %s", self.name, spec.id)
         return self._waiter(slot)
@@ -464,6 +428,3 @@ class Supervisor:
             except Exception:
                 log.exception("on_status callback failed")
 
-
-def _giveup_timeout(slots: list[_Slot]) -> float:
-    return sum(s.spec.shutdown_timeout or 0.0 for s in slots) + 1.0
