@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from actors.engines.mocker import outputs
 from actors.engines.mocker import tokens as tk
 from actors.engines.mocker.config import MockerArgs
 from actors.engines.mocker.kv_events import ZmqKvEventPublisher
@@ -41,7 +42,6 @@ from actors.engines.protocol import (
     Role,
     SamplingOptions,
     TextPrompt,
-    TokenLogprob,
     TokensPrompt,
 )
 
@@ -220,38 +220,8 @@ class MockerEngine(Engine):
             attempt += 1
 
     def _output(self, req: MockRequest, toks: list[int], final: bool) -> EngineOutput:
-        sampling: SamplingOptions = req.sink.sampling
-        out = EngineOutput(token_ids=toks, num_prompt_tokens=len(req.prompt),
-                           cached_tokens=req.cached_tokens or 0)
-        if toks and sampling.detokenize:
-            out.text = tk.detokenize(toks)
-        if toks and sampling.logprobs is not None:
-            out.logprobs = [self._logprob(t, sampling.logprobs) for t in toks]
-        if final:
-            out.finish_reason = req.finish_reason
-            out.stop_reason = req.stop_reason
-            if self.role == "prefill" and req.finish_reason in ("stop", "length"):
-                out.kv_transfer_params = self._transfer_params(req)
-        return out
-
-    def _logprob(self, tok: int, k: int) -> TokenLogprob:
-        lp = tk.fake_logprob(tok, 0)
-        top = [(tok, lp)] if k > 0 else []
-        vocab = self.args.vocab_size
-        for j in range(1, k):
-            alt = (tok + j * 7919) % vocab
-            top.append((alt, tk.fake_logprob(alt, j)))
-        return TokenLogprob(token_id=tok, logprob=lp, top=top)
-
-    def _transfer_params(self, req: MockRequest) -> dict[str, Any]:
-        """NIXL-shaped hand-off description (the blocks themselves are freed at once here)."""
-        return {
-            "do_remote_prefill": True, "do_remote_decode": False,
-            "remote_block_ids": [list(req.released_blocks)], "remote_engine_id": self.engine_id,
-            "remote_request_id": req.request_id, "remote_host": "127.0.0.1", "remote_port": 0,
-            "remote_num_tokens": len(req.prompt), "tp_size": 1, "transfer_mode": "pull",
-            "remote_blocks_expiry_time": None, "remote_prefill_cached_tokens": req.cached_tokens or 0,
-        }
+        return outputs.build(req, toks, final, role=self.role, engine_id=self.engine_id,
+                             vocab_size=self.args.vocab_size)
 
     @staticmethod
     def _push(req: MockRequest, item: EngineOutput | BaseException) -> None:
@@ -344,7 +314,7 @@ class MockerEngine(Engine):
                     if isinstance(nxt, BaseException):
                         error = nxt  # deliver the tokens that made it, then fail
                         break
-                    item = _merge(item, nxt)
+                    item = outputs.merge(item, nxt)
                 yield item
                 if item.finish_reason is not None:
                     return
@@ -449,13 +419,3 @@ class _Sink:
         self.sampling = sampling
         self.queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
 
-
-def _merge(a: EngineOutput, b: EngineOutput) -> EngineOutput:
-    out = EngineOutput(token_ids=a.token_ids + b.token_ids, num_prompt_tokens=b.num_prompt_tokens,
-                       cached_tokens=b.cached_tokens, finish_reason=b.finish_reason,
-                       stop_reason=b.stop_reason, kv_transfer_params=b.kv_transfer_params)
-    if a.text is not None or b.text is not None:
-        out.text = (a.text or "") + (b.text or "")
-    if a.logprobs is not None or b.logprobs is not None:
-        out.logprobs = (a.logprobs or []) + (b.logprobs or [])
-    return out
