@@ -23,17 +23,10 @@ from actors.kv.vllm_events import KVEventBatch, encode_message, stored
 from bus import subjects as S
 from bus.context import BusContext
 from bus.registry import Registry
+from tests.helpers import eventually
 
 BS = 4
 ARGS = {"speedup_ratio": 0, "block_size": BS, "num_gpu_blocks": 256, "max_model_len": 256}
-
-
-async def eventually(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.02)
 
 
 async def generate(engine: MockerEngine, tokens: list[int], rid: str) -> list[int]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,17 +20,10 @@ from bus import codec
 from bus.context import BusContext, open_context
 from bus.embedded import EmbeddedNats
 from bus.registry import Registry
+from tests.helpers import eventually
 
 BS = 4
 ARGS = {"speedup_ratio": 0, "block_size": BS, "num_gpu_blocks": 512, "max_model_len": 512}
-
-
-async def eventually(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.02)
 
 
 @dataclass

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,17 +17,10 @@ from actors.worker.contract import InstanceRecord
 from bus import subjects as S
 from bus.context import BusContext
 from bus.registry import Registry
+from tests.helpers import eventually
 
 BS = 4
 ARGS = {"speedup_ratio": 0, "block_size": BS, "num_gpu_blocks": 256, "max_model_len": 256}
-
-
-async def eventually(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached")
-        await asyncio.sleep(0.02)
 
 
 async def call(bus: BusContext, verb: str, body: Any) -> tuple[Any, dict[str, str]]:
