@@ -82,7 +82,8 @@ def machine_busy() -> float:
     return (sum(vals[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_up(port: int, procs: list[subprocess.Popen], timeout: float = 180) -> float:
+def wait_up(port: int, procs: list[subprocess.Popen], timeout: float = 180, poll: float = 0.5) -> float:
+    """Seconds until /v1/models on ``port`` lists the tiny model; fails early if a process exits."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         for p in procs:
@@ -94,7 +95,7 @@ def wait_up(port: int, procs: list[subprocess.Popen], timeout: float = 180) -> f
                     return time.monotonic() - t0
         except OSError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll)
     raise RuntimeError(f"stack on :{port} not up after {timeout}s")
 
 

@@ -24,11 +24,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from frontend_bench import free_port  # noqa: E402
+from frontend_bench import free_port, wait_up  # noqa: E402
 from proc_cpu import cmdline, tree, tree_cpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -48,21 +47,6 @@ def server_cmd(side: str, port: int, workdir: Path) -> list[str]:
             "--set", f"namespace=vsc{os.getpid()}", "--set", f"run_dir={workdir / 'run'}",
             "--set", f"pools.agg.status_port={free_port()}",
             "--set", "pools.agg.engine_args.enable_lora=false", "--log-level", "WARNING"]
-
-
-def wait_up(port: int, proc: subprocess.Popen, timeout: float = 300) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was up")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2) as r:
-                if b'"tiny"' in r.read():
-                    return time.monotonic() - t0
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server on :{port} not up after {timeout}s")
 
 
 def bench_cmd(port: int, conc: int, n: int, a: argparse.Namespace, out: Path) -> list[str]:
@@ -107,7 +91,7 @@ def run_side(side: str, a: argparse.Namespace, workdir: Path) -> list[dict]:
                             stderr=subprocess.STDOUT)
     rows = []
     try:
-        print(f"[{side}] up after {wait_up(port, proc):.0f}s", file=sys.stderr)
+        print(f"[{side}] up after {wait_up(port, [proc], timeout=300, poll=1.0):.0f}s", file=sys.stderr)
         for conc in a.concurrency:
             n = a.num_prompts
             out = workdir / f"{side}-c{conc}.json"
