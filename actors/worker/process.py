@@ -37,6 +37,7 @@ from bus import rpc
 from bus.context import BusContext, open_context
 from supervisors.child import ChildSpec
 from supervisors.sdnotify import Notifier, serve_root
+from supervisors.service import SupervisorService
 from supervisors.supervisor import Supervisor
 from supervisors.topology import PoolConfig, Topology
 from supervisors.topology_loader import TopologyError, load_topology
@@ -160,8 +161,6 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
     sc = pool.supervisor
     sup = Supervisor(node, build_children(env, engine_factory), strategy=sc.strategy, intensity=sc.intensity,
                      period=sc.period, backoff=sc.backoff)
-    from supervisors.service import SupervisorService  # H2's micro service for the supervisor
-
     service = SupervisorService(ctx, sup, node=node)
     await service.start()
     status: StatusServer | None = None
