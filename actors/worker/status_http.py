@@ -14,15 +14,33 @@ from typing import Any
 
 from aiohttp import web
 
+from supervisors.topology import FrontendConfig, PoolConfig
+
 log = logging.getLogger(__name__)
 
 ReadyCheck = Callable[[], Awaitable[tuple[bool, dict[str, Any]]]]
 MetricsRender = Callable[[], tuple[bytes, str]]
 
+LOOPBACK = "127.0.0.1"
+_WILDCARDS = {"", "0.0.0.0", "::", "*"}
+
+
+def status_bind_host(pool: PoolConfig, frontend: FrontendConfig) -> str:
+    """Where a worker's status server listens: ``pool.status_host`` when the topology sets it, else
+    the frontend's host when the pool shares the frontend's machine. A frontend opened to every
+    interface does not open the workers too (they show engine internals and have no auth): that
+    takes an explicit ``status_host``. A pool on another machine cannot bind the frontend's address."""
+    if pool.status_host:
+        return pool.status_host
+    if pool.host != frontend.host:
+        return LOOPBACK
+    host = frontend.http.rpartition(":")[0].strip("[]")
+    return LOOPBACK if host in _WILDCARDS else host
+
 
 class StatusServer:
     def __init__(self, port: int, ready: ReadyCheck, metrics: MetricsRender, *,
-                 host: str = "0.0.0.0", endpoints: Callable[[], list[str]] | None = None) -> None:
+                 host: str = LOOPBACK, endpoints: Callable[[], list[str]] | None = None) -> None:
         self.port = port
         self.host = host
         self._ready = ready
