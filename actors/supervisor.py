@@ -147,7 +147,7 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
             log.warning("host %s: %s: not started", h, missing)
     s = t.supervisor
     root = Supervisor(name, build_host_tree(plan), strategy=s.strategy,
-                      intensity=s.intensity, period=s.period,
+                      intensity=s.intensity, period=s.period, start_concurrency=s.start_concurrency,
                       backoff={"initial": s.backoff.initial, "max": s.backoff.max,
                                "multiplier": s.backoff.multiplier, "jitter": s.backoff.jitter})
     root_ref.append(root)

@@ -13,6 +13,12 @@ from typing import Literal, Protocol, runtime_checkable
 Restart = Literal["permanent", "transient", "temporary"]
 
 
+class NormalExit(Exception):  # noqa: N818 - an outcome, not an error
+    """Raised by ``Child.wait`` for an exit that is normal but has a reason worth reporting (a worker
+    whose snapshot was taken). The supervisor treats it as a normal exit and keeps the message as
+    the child's ``last_exit_reason``."""
+
+
 @runtime_checkable
 class Child(Protocol):
     name: str
@@ -21,7 +27,7 @@ class Child(Protocol):
         """Return once the child is up (ready to serve); raise if it cannot start."""
 
     async def wait(self) -> None:
-        """Return when the child exits normally; raise (the reason) when it crashes."""
+        """Return (or raise NormalExit) when the child exits normally; raise the reason when it crashes."""
 
     async def stop(self, timeout: float | None) -> None:
         """Stop gracefully within ``timeout`` seconds; ``None`` means brutal kill at once."""
@@ -33,6 +39,8 @@ class ChildSpec:
 
     restart: permanent = always restarted; transient = restarted only after an abnormal exit;
     temporary = never restarted. shutdown: seconds allowed for a graceful stop, or "brutal_kill".
+    parallel: the child depends on no sibling, so it may start (and restart) concurrently with other
+    parallel children, in a task, while the supervisor handles other events (worker processes).
     """
 
     id: str
@@ -40,6 +48,7 @@ class ChildSpec:
     restart: Restart = "permanent"
     shutdown: float | Literal["brutal_kill"] = 10.0
     meta: dict[str, str] = field(default_factory=dict)
+    parallel: bool = False
 
     @property
     def shutdown_timeout(self) -> float | None:

@@ -36,10 +36,12 @@ class Slot:
         """What ``Supervisor.children()`` reports for this child (nested supervisors included)."""
         pid = getattr(self.child, "pid", None) if self.child is not None else None
         nested = getattr(self.child, "children", None)
+        status = getattr(self.child, "status", None) if self.child is not None else None
         return {"id": self.spec.id, "state": self.state, "restart": self.spec.restart,
                 "restarts": self.restarts, "pid": pid, "started_at": self.started_at,
                 "last_exit_reason": self.last_exit_reason,
                 **({"meta": self.spec.meta} if self.spec.meta else {}),
+                **({"status": status} if isinstance(status, str) and status else {}),
                 **({"children": nested()} if callable(nested) else {})}
 
     def resolve(self, exc: BaseException | None) -> None:

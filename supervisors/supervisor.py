@@ -4,9 +4,11 @@ A Supervisor is itself a Child (start/wait/stop), so trees nest: when a supervis
 ``wait()`` raises ``Escalation`` and its parent treats that like any other crash.
 
 All state changes happen in one loop task (``_run``): child exits and operator commands are queued
-events handled one at a time, so strategies never race with each other. Starting a child blocks the
-loop (as in OTP, a supervisor starts one child at a time and in order); backoff does *not* block it:
-a child waiting out its backoff is a slot with a deadline, and other events are handled meanwhile.
+events handled one at a time, so strategies never race with each other. Starting a non-parallel
+child blocks the loop (as in OTP, a supervisor starts one child at a time and in order). Children
+whose spec says ``parallel`` (worker processes) start in tasks, at most ``start_concurrency`` at once,
+and post their outcome to the loop (supervisors/starter.py). Backoff never blocks the loop: a child
+waiting out its backoff is a slot with a deadline, and other events are handled meanwhile.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from typing import Any, Literal
 
 from bus.errors import Conflict, Escalation, NotFound, Unavailable
 from supervisors.backoff import Backoff
-from supervisors.child import Child, ChildSpec
+from supervisors.child import Child, ChildSpec, NormalExit
 from supervisors.slot import Slot as Slot
 from supervisors.slot import describe
 from supervisors.slot import giveup_timeout as giveup_timeout
+from supervisors.starter import Starter, listen, next_wakeup, plan_starts, progress_line
 
 log = logging.getLogger(__name__)
 
@@ -39,18 +42,21 @@ class Supervisor:
 
     def __init__(self, name: str, children: list[ChildSpec], strategy: Strategy = "one_for_one",
                  intensity: int = 5, period: float = 60.0, backoff: Any = None,
-                 on_status: Callable[[str], None] | None = None) -> None:
+                 on_status: Callable[[str], None] | None = None, start_concurrency: int = 4) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         ids = [s.id for s in children]
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate child ids in supervisor {name}: {ids}")
+        if start_concurrency < 1:
+            raise ValueError(f"start_concurrency must be >= 1, got {start_concurrency}")
         self.name = name
         self.strategy: Strategy = strategy
         self.intensity = intensity
         self.period = period
         self.backoff = Backoff.of(backoff)
         self.on_status = on_status
+        self.start_concurrency = start_concurrency
         self._slots: list[Slot] = [Slot(spec) for spec in children]
         self._restart_times: deque[float] = deque()
         self._events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
@@ -59,6 +65,8 @@ class Supervisor:
         self._failure: BaseException | None = None
         self._stopping = False
         self._done = asyncio.Event()
+        self._starter = Starter(name, self._events.put_nowait, self._kill)
+        self._settled = False  # every child up (or stopped) and that has been reported
 
     # --- Child protocol ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -81,7 +89,6 @@ class Supervisor:
             # the loop ended: escalation (it has stopped the children) or a concurrent stop()
             await self._done.wait()
             raise self._failure or Unavailable(f"supervisor {self.name} stopped while starting")
-        self._status(f"{self.name}: all {len(self._slots)} children up")
 
     async def wait(self) -> None:
         await self._done.wait()
@@ -156,16 +163,17 @@ class Supervisor:
                 if self._failure is not None:
                     break
                 now = time.monotonic()
-                due = next((s for s in self._slots if s.state == "restarting" and s.deadline <= now),
-                           None)
+                parallel, due = plan_starts(self._slots, now, self._starter.in_flight,
+                                            self.start_concurrency)
+                for s in parallel:
+                    self._starter.begin(s, lambda child, s=s: listen(child, lambda _: self._refresh(s)))
+                if parallel:
+                    self._progress()
                 if due is not None:
                     await self._start_slot(due)
                     continue
-                if (self._up is not None and not self._up.done()
-                        and not any(s.state == "restarting" for s in self._slots)):
-                    self._up.set_result(None)
-                pending = [s.deadline for s in self._slots if s.state == "restarting"]
-                timeout = max(0.0, min(pending) - now) if pending else None
+                self._settle()
+                timeout = next_wakeup(self._slots, now)
                 try:
                     ev = await asyncio.wait_for(self._events.get(), timeout)
                 except TimeoutError:
@@ -190,6 +198,20 @@ class Supervisor:
                 return  # stale: the child was stopped or restarted meanwhile
             slot.child, slot.monitor = None, None
             await self._crashed(slot, exc)
+        elif kind == "started":
+            _, slot, gen, child, exc = ev
+            if slot.gen != gen or slot.state != "starting" or slot not in self._slots:
+                return  # stale: stopped meanwhile, and _stop_slot took care of the child
+            self._starter.finished(slot)
+            if child is None:
+                log.warning("supervisor %s: child %s failed to start: %s", self.name, slot.spec.id,
+                            describe(exc))
+                slot.started_mono = None
+                await self._crashed(slot, exc)
+            else:
+                self._mark_up(slot, child)
+                if any(s.state == "starting" for s in self._slots):
+                    self._progress()
         elif kind == "escalate":
             _, child_id, reason = ev
             if child_id is None:
@@ -228,6 +250,8 @@ class Supervisor:
     async def _crashed(self, slot: Slot, exc: BaseException | None) -> None:
         """``slot``'s child is gone (exited, crashed, failed to start or was escalated)."""
         reason = describe(exc)
+        if isinstance(exc, NormalExit):  # a normal exit that says why (e.g. "snapshot complete")
+            reason, exc = str(exc), None
         slot.last_exit_reason = reason
         spec = slot.spec
         slot.resolve(exc or Unavailable(f"child {spec.id} exited"))
@@ -258,7 +282,7 @@ class Supervisor:
                     ", ".join(s.spec.id for s in group), delay, self.strategy)
         self._status(f"{self.name}: restarting {spec.id} in {delay:.1f}s: {reason}")
         for s in reversed(group):
-            if s is not slot and s.child is not None:
+            if s is not slot and (s.child is not None or self._starter.busy(s)):
                 await self._stop_slot(s)
                 s.last_exit_reason = f"shutdown: {self.strategy} after {spec.id} {reason}"
         for s in group:
@@ -287,6 +311,7 @@ class Supervisor:
         try:
             child = spec.start()
             slot.child = child
+            listen(child, lambda _: self._refresh(slot))
             await child.start()
         except asyncio.CancelledError:
             if child is not None:
@@ -300,6 +325,11 @@ class Supervisor:
             slot.child, slot.started_mono = None, None
             await self._crashed(slot, e)
             return
+        self._mark_up(slot, child)
+
+    def _mark_up(self, slot: Slot, child: Child) -> None:
+        spec = slot.spec
+        slot.child = child
         slot.gen += 1
         slot.state = "running"
         slot.started_at, slot.started_mono = time.time(), time.monotonic()
@@ -320,7 +350,8 @@ class Supervisor:
         self._events.put_nowait(("exit", slot, gen, exc))
 
     async def _stop_slot(self, slot: Slot, timeout: float | None | Literal["spec"] = "spec") -> None:
-        """Stop a running child on purpose: its exit is not a crash."""
+        """Stop a running or starting child on purpose: its exit is not a crash."""
+        await self._starter.cancel(slot)  # a start in flight kills its half-started child
         child = slot.child
         if slot.monitor is not None:
             slot.monitor.cancel()
@@ -353,6 +384,7 @@ class Supervisor:
 
     async def _stop_all(self, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
+        await self._starter.cancel_all()  # no start in flight may leave a child behind
         for slot in reversed(self._slots):
             if slot.child is None:
                 if slot.state != "stopped":
@@ -420,6 +452,27 @@ class Supervisor:
             self._slots.remove(slot)
         log.info("supervisor %s: child %s stopped on request%s", self.name, child_id,
                  " and removed" if slot not in self._slots else "")
+
+    def _settle(self) -> None:
+        """Once nothing is starting or waiting: report it and let start() return."""
+        if any(s.state in ("restarting", "starting") for s in self._slots):
+            self._settled = False
+            return
+        if not self._settled:
+            self._settled = True
+            up = sum(s.state == "running" for s in self._slots)
+            self._status(f"{self.name}: all {up} children up" if up == len(self._slots) else
+                         f"{self.name}: {up}/{len(self._slots)} children up, the rest stopped")
+        if self._up is not None and not self._up.done():
+            self._up.set_result(None)
+
+    def _progress(self) -> None:
+        self._status(progress_line(self.name, self._slots))
+
+    def _refresh(self, slot: Slot) -> None:
+        """A child reported progress (a STATUS= line): while it starts, the line shows it."""
+        if slot.state == "starting" and slot in self._slots:
+            self._progress()
 
     def _status(self, text: str) -> None:
         if self.on_status is not None:

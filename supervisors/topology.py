@@ -51,7 +51,9 @@ class ModelConfig(_Strict):
     # engine is restarting); 0 = fail at once
     migration_wait: float = 60.0
     context_length: int | None = None  # defaults to the engine's max_model_len
-    allow_decode_only: bool = True  # disagg: fall back to decode-only when no prefill worker
+    # disagg: serve with decode workers alone when no prefill worker is ready (or a prefill fails).
+    # Off by default: a disaggregated deployment is ready only with both pools, unless allowed here.
+    allow_decode_only: bool = False
 
 
 class BackoffConfig(_Strict):
@@ -68,6 +70,7 @@ class SupervisorConfig(_Strict):
     backoff: BackoffConfig = msgspec.field(default_factory=BackoffConfig)
     shutdown_timeout: float = 30.0
     drain_timeout: float = 10.0
+    start_concurrency: int = 4  # worker processes starting (loading engines) at once
 
 
 class FrontendConfig(_Strict):
@@ -119,6 +122,7 @@ class PoolConfig(_Strict):
     engine_args: dict[str, Any] = {}  # vLLM AsyncEngineArgs (validated by vLLM) or mocker args
     env: dict[str, str] = {}
     status_port: int | None = None  # first worker's /health port; replicas add 1 each
+    status_host: str | None = None  # status servers' bind address (default: frontend.http's host)
     max_waiting: int | None = None  # admission guard: reject when the waiting queue reaches this
     prompt_embeds: bool = False
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)

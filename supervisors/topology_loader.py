@@ -344,6 +344,8 @@ def _check_supervisor(s: Any, prefix: str, fail: Any, positive: Any) -> None:
     positive(f"{prefix}.period", s.period)
     positive(f"{prefix}.shutdown_timeout", s.shutdown_timeout)
     positive(f"{prefix}.drain_timeout", s.drain_timeout, zero_ok=True)
+    if s.start_concurrency < 1:
+        fail(f"{prefix}.start_concurrency", f"expected int >= 1, got {s.start_concurrency}")
     b = s.backoff
     positive(f"{prefix}.backoff.initial", b.initial, zero_ok=True)
     if b.max < b.initial:
