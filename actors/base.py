@@ -7,9 +7,12 @@ The base does the transport: decoding (malformed input -> typed 400), encoding i
 Content-Type, ADR-32 error replies, stream protocol (bus.stream), cancellation, stats, lifecycle.
 
 Lifecycle (a supervisors.child.Child):
-  start = on_start -> subscribe endpoints + micro service -> registry entry with heartbeat;
-  stop  = deregister first (routers stop sending) -> unsubscribe -> drain in-flight within
-          ``drain_timeout`` (then cancel) -> on_stop;
+  start = on_start -> subscribe endpoints + micro service (flushed: live on the server) ->
+          ``ready_probe`` (e.g. an engine answers a request through its own subject) -> registry
+          entry with heartbeat. A record in the registry therefore means "can serve now".
+  stop  = deregister first (routers stop sending) -> keep serving for ``deregister_grace`` (what
+          was routed before the removal reached the routers still lands) -> unsubscribe -> drain
+          in-flight within ``drain_timeout`` (then cancel) -> on_stop;
   fail(exc) = crash: tear down the same way without draining; wait() then raises ``exc``.
 """
 
@@ -56,6 +59,10 @@ class Actor:
     description: ClassVar[str] = "actor"
     version: ClassVar[str] = "0.1.0"
     registry_ttl: ClassVar[float] = 10.0
+    # Seconds between leaving the registry and unsubscribing on a graceful stop (actors that are
+    # routed to set it): watchers learn of the removal within milliseconds, so this only covers
+    # requests already routed to us.
+    deregister_grace: ClassVar[float] = 0.0
 
     def __init__(self, bus: BusContext, *, instance: str | None = None, role: str = "", model: str = "",
                  max_concurrency: int = 64, drain_timeout: float = 10.0, register: bool = True) -> None:
@@ -101,6 +108,10 @@ class Actor:
     async def on_stop(self) -> None:
         pass
 
+    async def ready_probe(self) -> None:
+        """Runs once the endpoints are live and before the registry entry is written; raise if the
+        actor cannot serve yet (the start then fails and the supervisor retries it)."""
+
     # --- state ------------------------------------------------------------------------------------
     @property
     def in_flight(self) -> int:
@@ -131,6 +142,7 @@ class Actor:
             self._service = await add_service(self.bus.nc, name=self.kind, version=self.version,
                                               description=self.description, metadata=self.metadata(),
                                               endpoints=specs, stats=self._stats_data)
+            await self.ready_probe()
             if self.register_instance:
                 self._registry = Registry(self.bus.js, self.bus.subjects.bucket_instances, self.registry_ttl)
                 await self._registry.ensure()
@@ -178,6 +190,8 @@ class Actor:
         if self._registry is not None:  # first: routers stop picking us while we drain
             await self._registry.deregister(self.instance)
             await self._registry.close()
+            if drain > 0 and self.deregister_grace > 0:
+                await asyncio.sleep(min(self.deregister_grace, drain))
         svc = self._service
         if svc is not None:
             await svc.stop_accepting(keep=frozenset({"cancel"}))  # callers may still cancel while we drain

@@ -2,7 +2,8 @@
 
 Readiness uses the sd_notify protocol: the parent binds a unix datagram socket in the abstract
 namespace, passes it as NOTIFY_SOCKET, and start() returns when the child sends READY=1 (the child
-uses supervisors.sdnotify.Notifier, exactly as it would under systemd). STATUS lines are logged.
+uses supervisors.sdnotify.Notifier, exactly as it would under systemd). STATUS lines are logged,
+kept in ``status`` and passed to ``on_status`` (a supervisor shows them while the child starts).
 
 The process runs in its own session/process group so stop() can signal the whole group (vLLM spawns
 helper processes), and it gets PR_SET_PDEATHSIG=SIGKILL so it dies with the supervisor instead of
@@ -19,10 +20,11 @@ import os
 import signal
 import socket
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Literal
 
 from bus.errors import FatalError
+from supervisors.child import NormalExit
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,12 @@ class ProcessChild:
 
     def __init__(self, name: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
                  inherit_env: bool = True, cwd: str | None = None, log_file: str | None = None,
-                 ready: Literal["notify", "spawn"] = "notify", ready_timeout: float = 120.0) -> None:
+                 ready: Literal["notify", "spawn"] = "notify", ready_timeout: float = 120.0,
+                 normal_exit_codes: Collection[int] = (0,),
+                 on_status: Callable[[str], None] | None = None) -> None:
+        """``normal_exit_codes``: return codes that count as a normal exit, not a crash (0 always
+        does), so a transient child is not restarted; a code other than 0 is reported with the
+        child's last STATUS line, which says why it ended."""
         if not argv:
             raise ValueError("ProcessChild needs a non-empty argv")
         self.name = name
@@ -74,8 +81,10 @@ class ProcessChild:
         self.log_file = log_file
         self.ready = ready
         self.ready_timeout = ready_timeout
+        self.normal_exit_codes = frozenset(normal_exit_codes)
         self.proc: asyncio.subprocess.Process | None = None
         self.status: str | None = None  # last STATUS= line the child sent
+        self.on_status = on_status
         self._sock: socket.socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
@@ -132,35 +141,65 @@ class ProcessChild:
             log.info("process %s (pid %d) ready", self.name, self.proc.pid)
             return
         if self.proc.returncode is not None:
+            await self._drain_notify()
             await self._cleanup()
+            self._raise_if_normal(self.proc.returncode)
             raise ProcessExited(f"process {self.name} {exit_reason(self.proc.returncode)} before "
                                 f"ready", self.proc.returncode)
         await self.stop(None)
         raise TimeoutError(f"process {self.name} not ready within {self.ready_timeout:g}s")
 
+    def _report(self, status: str) -> None:
+        if self.on_status is None:
+            return
+        try:
+            self.on_status(status)
+        except Exception:  # a listener's bug must not stop readiness from being read
+            log.exception("process %s: on_status callback failed", self.name)
+
     async def _read_notify(self) -> None:
         assert self._sock is not None
         loop = asyncio.get_running_loop()
         while True:
-            data = await loop.sock_recv(self._sock, 4096)
-            for line in data.decode(errors="replace").splitlines():
-                key, _, value = line.partition("=")
-                if key == "READY" and value == "1":
-                    self._ready.set()
-                elif key == "STATUS":
-                    self.status = value
-                    log.info("process %s: %s", self.name, value)
-                elif key == "STOPPING" and value == "1":
-                    log.info("process %s is stopping", self.name)
+            self._on_notify(await loop.sock_recv(self._sock, 4096))
+
+    def _on_notify(self, data: bytes) -> None:
+        for line in data.decode(errors="replace").splitlines():
+            key, _, value = line.partition("=")
+            if key == "READY" and value == "1":
+                self._ready.set()
+            elif key == "STATUS":
+                self.status = value
+                log.info("process %s: %s", self.name, value)
+                self._report(value)
+            elif key == "STOPPING" and value == "1":
+                log.info("process %s is stopping", self.name)
+
+    async def _drain_notify(self) -> None:
+        """Read what the process sent just before it exited (its last STATUS says why it ended)."""
+        await asyncio.sleep(0)  # a datagram the reader already received is handled before it is cancelled
+        while self._sock is not None:
+            try:
+                data = self._sock.recv(4096)
+            except (BlockingIOError, OSError):
+                return
+            self._on_notify(data)
 
     async def wait(self) -> None:
         if self.proc is None:
             raise RuntimeError(f"process child {self.name} not started")
         rc = await self.proc.wait()
         self._signal_group(signal.SIGKILL)  # no helper of a dead leader may linger
+        await self._drain_notify()
         await self._cleanup()
-        if rc != 0 and not self._stop_requested:
-            raise ProcessExited(f"process {self.name} (pid {self.proc.pid}) {exit_reason(rc)}", rc)
+        if self._stop_requested or rc == 0:
+            return
+        self._raise_if_normal(rc)
+        raise ProcessExited(f"process {self.name} (pid {self.proc.pid}) {exit_reason(rc)}", rc)
+
+    def _raise_if_normal(self, rc: int) -> None:
+        if rc != 0 and rc in self.normal_exit_codes:
+            raise NormalExit(f"{exit_reason(rc)}: {self.status}" if self.status else exit_reason(rc))
 
     async def stop(self, timeout: float | None) -> None:
         """SIGTERM the process group, SIGKILL after ``timeout`` (at once when None)."""

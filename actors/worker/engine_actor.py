@@ -40,7 +40,8 @@ from actors.worker.contract import (
 from actors.worker.metrics import WorkerMetrics, load_reports
 from actors.worker.serving import EngineService
 from actors.worker.sleep import SleepController
-from bus import codec
+from actors.worker.health import consume_probe, probe_request
+from bus import codec, rpc
 from bus import subjects as S
 from bus.errors import BadRequest, EngineDead, NotFound
 from bus.registry import Registry
@@ -105,17 +106,19 @@ def _external_hits(engine: Engine) -> int:
 class EngineActor(Actor):
     kind = "engine"
     description = "vLLM-style engine worker: generate (streaming) and control"
+    deregister_grace = 0.5
 
     def __init__(self, bus: Any, *, pool_name: str, pool: PoolConfig, model: ModelConfig | None,
                  engine_factory: Callable[[], Engine], instance: str | None = None,
-                 max_concurrency: int = 1024, load_interval: float = 1.0) -> None:
+                 max_concurrency: int = 1024, load_interval: float = 1.0, engine: Engine | None = None) -> None:
         super().__init__(bus, instance=instance, role=pool.role, model=model.name if model else "",
                          max_concurrency=max_concurrency, drain_timeout=pool.supervisor.drain_timeout)
         self.pool_name = pool_name
         self.pool = pool
         self.model_cfg = model
         self.metrics = WorkerMetrics(self.instance, self.model)
-        self.service = EngineService(engine_factory, pool, model=model, metrics=self.metrics)
+        # engine: already started (checkpoint restore), adopted by the first start instead of built
+        self.service = EngineService(engine_factory, pool, model=model, metrics=self.metrics, engine=engine)
         self.sleeper = SleepController(self.service, register=self._register, deregister=self._deregister,
                                        config=pool.sleep)
         self.cancels = _EngineCancels(self)
@@ -229,6 +232,24 @@ class EngineActor(Actor):
 
     async def lora_list(self, _req: Any, _h: Mapping[str, str]) -> EngineLoraList:
         return EngineLoraList(adapters=self.service.lora_list())
+
+    async def ready_probe(self) -> None:
+        """Ready means serving: before the instance is registered, one token is generated through
+        our own routed generate subject (the bus, the subscription and the engine all answer)."""
+        if self.service.sleeping:
+            return  # registered as "sleeping": not routable, nothing to prove yet
+        deadline = self.pool.health.timeout
+        subject = self.bus.subjects.generate_instance(self.pool_name, self.instance)
+        call = rpc.stream_request(self.bus.nc, subject, probe_request(0), stall_timeout=deadline,
+                                  chunk_type=GenerateChunk)
+        try:
+            await consume_probe(call, deadline)
+        except TimeoutError:
+            raise EngineDead(f"engine of {self.instance} produced no token within {deadline:g}s "
+                             f"of start") from None
+        finally:
+            await call.aclose()
+        log.info("%s: engine answered its readiness probe; registering", self.instance)
 
     async def kv_sources(self, _req: Any, _h: Mapping[str, str]) -> EngineKvSources:
         eng = self.service.engine

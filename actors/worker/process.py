@@ -6,6 +6,11 @@ served as a micro service on ``ns.supervisor.<host>.<worker-node>.*`` (so the he
 ``escalate`` reaches it), an optional status HTTP server, and sd_notify READY=1 to the parent once
 every child (the engine included) is up. Exits 1 when the worker supervisor gives up, so the host's
 root supervisor restarts the whole process.
+
+Checkpoint mode (``pools.<p>.checkpoint.control_dir``): the engine is built and put to sleep before
+any of the above exists, so a snapshot image holds no bus or HTTP socket (actors.worker.checkpoint).
+A restored copy then connects and serves with that engine; the snapshotted original exits with
+EXIT_SNAPSHOT_DONE.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from actors.engines.protocol import Engine
 from actors.worker import contract as C
+from actors.worker.checkpoint import RESTORE_DONE, prepare
 from actors.worker.contract import HealthReply, LivenessReply
 from actors.worker.engine_actor import EngineActor
 from actors.worker.engine_factory import factory_for
 from actors.worker.health import HealthMonitor
 from actors.worker.metrics import engine_metrics
-from actors.worker.status_http import StatusServer
+from actors.worker.status_http import StatusServer, status_bind_host
 from bus import rpc
 from bus.context import BusContext, open_context
 from supervisors.child import ChildSpec
@@ -45,6 +51,10 @@ from supervisors.topology_loader import TopologyError, load_topology
 log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# The snapshotter has imaged this process: its job is over and it must not be restarted (the root
+# counts this code as a normal exit of a checkpoint pool's worker). Apart from Python's 1 (uncaught
+# exception) and 2 (usage), and from 126+ (a shell's "cannot run" and 128+N "killed by signal N").
+EXIT_SNAPSHOT_DONE = 3
 
 
 @dataclass
@@ -67,7 +77,7 @@ ChildFactory = Callable[[WorkerEnv], ChildSpec | None]
 # restart restarts them too), in this order. Each module opts in by defining
 # ``worker_child(env: WorkerEnv) -> ChildSpec | None`` (None: not for this pool, e.g. no KV publisher
 # on decode workers); a module that does not exist yet, or has no such function, is skipped.
-ENGINE_DEPENDANT_MODULES = ("actors.kv.publisher", "actors.worker.lora_actor", "actors.worker.checkpoint_actor")
+ENGINE_DEPENDANT_MODULES = ("actors.kv.publisher", "actors.worker.lora_actor")
 # Factories added programmatically (tests, embedding applications) after the modules above.
 ENGINE_DEPENDANTS: list[ChildFactory] = []
 
@@ -100,18 +110,27 @@ def cpu_slot(t: Topology, pool_name: str, replica: int) -> int:
     raise KeyError(pool_name)
 
 
-def build_children(env: WorkerEnv, engine_factory: Callable[[], Engine] | None = None) -> list[ChildSpec]:
-    t, pool = env.topology, env.pool
+def default_engine_factory(t: Topology, pool_name: str, replica: int) -> Callable[[], Engine]:
     # every replica is the same model (a mocker's seed is its "weights"): a migrated stream must
     # continue as if nothing happened
-    factory = engine_factory or factory_for(pool, t.model, seed=0, replica=env.replica,
-                                            cpu_slot=cpu_slot(t, env.pool_name, env.replica))
+    return factory_for(t.pools[pool_name], t.model, seed=0, replica=replica,
+                       cpu_slot=cpu_slot(t, pool_name, replica))
+
+
+def build_children(env: WorkerEnv, engine_factory: Callable[[], Engine] | None = None,
+                   restored: Engine | None = None) -> list[ChildSpec]:
+    """``restored``: a started engine (checkpoint restore) that the first engine actor adopts; an
+    engine restart after a death builds a fresh one with the factory."""
+    t, pool = env.topology, env.pool
+    factory = engine_factory or default_engine_factory(t, env.pool_name, env.replica)
     model = t.model.name if t.model else ""
     escalate = env.ctx.subjects.supervisor_node(env.ctx.host, env.node, "escalate")
+    handoff = [restored] if restored is not None else []
 
     def engine() -> EngineActor:
         env.engine_actor = EngineActor(env.ctx.child(), pool_name=env.pool_name, pool=pool, model=t.model,
-                                       engine_factory=factory, instance=env.instance)
+                                       engine_factory=factory, instance=env.instance,
+                                       engine=handoff.pop() if handoff else None)
         return env.engine_actor
 
     def health() -> HealthMonitor:
@@ -150,17 +169,95 @@ def ready_check(env: WorkerEnv) -> Callable[[], Any]:
     return check
 
 
+async def checkpoint_phase(pool: PoolConfig, factory: Callable[[], Engine], stop: asyncio.Event,
+                           notifier: Notifier) -> Engine | int:
+    """Checkpoint mode, before any bus connection exists: the awake engine of a restored copy, or
+    the exit code of a process that is done (snapshot taken, stopped, or failed)."""
+    engine = factory()
+
+    def ready() -> None:
+        # the parent supervisor may go on (a snapshot can take long); the socket is closed at once so
+        # the image holds none of ours (a later notify opens a fresh one)
+        notifier.ready(f"engine built and asleep; waiting for the snapshotter ({pool.checkpoint.control_dir})")
+        notifier.close()
+
+    try:
+        outcome = await prepare(engine, pool.checkpoint, stop, on_ready=ready)
+    except Exception as e:  # noqa: BLE001 - the process ends here; the root restarts it
+        log.error("checkpoint: %s", e)
+        await engine.shutdown()
+        return EXIT_FAILED
+    if outcome == RESTORE_DONE:
+        return engine
+    await engine.shutdown()
+    if outcome is None:
+        return EXIT_OK
+    log.info("checkpoint: snapshot complete; this process is done and exits with %d (not restarted)",
+             EXIT_SNAPSHOT_DONE)
+    notifier.status("snapshot complete; not restarted")
+    notifier.close()
+    return EXIT_SNAPSHOT_DONE
+
+
+def engine_phase(node: str, text: str) -> str:
+    """The worker supervisor's start-up lines as the phases an operator waits through (the host's
+    root shows them next to this worker while it starts): engine loading, engine up, serving."""
+    line = text.removeprefix(f"{node}: ")
+    if line == "starting engine":
+        return "engine loading"
+    if line.startswith("all ") and line.endswith(" children up"):
+        return "serving"
+    if line.startswith("starting ") and not line.endswith(" children"):
+        return f"engine up, starting {line.removeprefix('starting ')}"
+    return line
+
+
+class PhaseNotifier(Notifier):
+    """sd_notify for a worker process: STATUS= says which phase the worker is in."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__()
+        self.node = node
+
+    def status(self, text: str) -> bool:
+        return super().status(engine_phase(self.node, text))
+
+    def ready(self, status: str | None = None) -> bool:
+        return super().ready(engine_phase(self.node, status) if status else "serving")
+
+
 async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio.Event | None = None,
                      notifier: Notifier | None = None,
                      engine_factory: Callable[[], Engine] | None = None) -> int:
     pool = t.pools[pool_name]
     node = f"worker-{pool_name}-{replica}"
     instance = f"{pool_name}-{replica}-{secrets.token_hex(3)}"
-    ctx = await open_context(t.bus, t.namespace, pool.host, f"vllm-actors:{t.namespace}:{node}:{os.getpid()}")
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    restored: Engine | None = None
+    if pool.checkpoint.control_dir:
+        notifier = notifier or PhaseNotifier(node)
+        got = await checkpoint_phase(pool, engine_factory or default_engine_factory(t, pool_name, replica),
+                                     stop, notifier)
+        if isinstance(got, int):
+            return got
+        restored = got
+    notifier = notifier or PhaseNotifier(node)
+    notifier.status("connecting to NATS")
+    try:
+        ctx = await open_context(t.bus, t.namespace, pool.host,
+                                 f"vllm-actors:{t.namespace}:{node}:{os.getpid()}")
+    except BaseException:
+        if restored is not None:
+            await restored.shutdown()
+        raise
     env = WorkerEnv(ctx, t, pool_name, pool, replica, instance, node)
     sc = pool.supervisor
-    sup = Supervisor(node, build_children(env, engine_factory), strategy=sc.strategy, intensity=sc.intensity,
-                     period=sc.period, backoff=sc.backoff)
+    sup = Supervisor(node, build_children(env, engine_factory, restored), strategy=sc.strategy,
+                     intensity=sc.intensity, period=sc.period, backoff=sc.backoff)
     service = SupervisorService(ctx, sup, node=node)
     await service.start()
     status: StatusServer | None = None
@@ -170,14 +267,10 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
             return a.metrics.render() if a is not None else (engine_metrics(), CONTENT_TYPE_LATEST)
 
         status = StatusServer(pool.status_port + replica if pool.status_port else 0, ready_check(env), render,
+                              host=status_bind_host(pool, t.frontend),
                               endpoints=lambda: [ctx.subjects.generate(pool_name),
                                                  ctx.subjects.generate_instance(pool_name, instance)])
         await status.start()
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
     log.info("worker %s: instance %s, pool %s (%s, %s engine)", node, instance, pool_name, pool.role, pool.engine)
     try:
         code = await serve_root(sup, stop, notifier, shutdown_timeout=sc.shutdown_timeout + pool.sleep.drain_timeout)

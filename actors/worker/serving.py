@@ -92,8 +92,11 @@ class EngineService:
     """One engine and the requests on it."""
 
     def __init__(self, engine_factory: Callable[[], Engine], pool: PoolConfig, *,
-                 model: ModelConfig | None, metrics: WorkerMetrics) -> None:
+                 model: ModelConfig | None, metrics: WorkerMetrics, engine: Engine | None = None) -> None:
+        """``engine``: one already started (a checkpoint-restored worker built it before the bus
+        existed); ``start`` adopts it instead of building one. Later restarts use the factory."""
         self._factory = engine_factory
+        self._prebuilt = engine
         self.pool = pool
         self.model_cfg = model
         self.metrics = metrics
@@ -130,8 +133,11 @@ class EngineService:
         return self._engine is not None and self._engine.dead.is_set()
 
     async def start(self) -> None:
-        self._engine = self._factory()
-        await self._engine.start()
+        if self._prebuilt is not None:
+            self._engine, self._prebuilt = self._prebuilt, None
+        else:
+            self._engine = self._factory()
+            await self._engine.start()
         self._tokens = TokenCounter(self._engine.facts.tokenizer_path)
         self.accepting = True
         log.info("engine started: %s role=%s max_model_len=%d block_size=%d", self._engine.facts.served_model_name,

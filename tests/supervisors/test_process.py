@@ -148,6 +148,37 @@ async def test_supervised_process_killed_is_restarted_with_new_pid() -> None:
     assert await gone(second)
 
 
+READY_THEN_EXIT_3 = """
+    import time
+    from supervisors.sdnotify import Notifier
+    n = Notifier()
+    n.ready("waiting")
+    time.sleep(0.3)
+    n.status("snapshot complete; not restarted")
+    raise SystemExit(3)
+"""
+
+
+@pytest.mark.parametrize("normal,restarted", [((0, 3), False), ((0,), True)])
+async def test_declared_normal_exit_code_of_a_transient_child(normal: tuple[int, ...], restarted: bool) -> None:
+    # exit 3 counts as normal only where declared: then it is reported with the child's last
+    # STATUS line and not restarted; otherwise it is a crash like any other
+    spec = ChildSpec("worker", lambda: ProcessChild("worker", script(READY_THEN_EXIT_3), env=ENV, ready_timeout=20,
+                                                    normal_exit_codes=normal), "transient", 2.0)
+    sup = Supervisor("host", [spec], backoff=Backoff(initial=5.0, jitter=0))
+    await sup.start()
+    deadline = time.monotonic() + 20
+    while (info := sup.children()[0])["state"] == "running":
+        assert time.monotonic() < deadline, info
+        await asyncio.sleep(0.05)
+    if restarted:
+        assert info["state"] == "restarting" and "ProcessExited" in info["last_exit_reason"], info
+    else:
+        assert info["state"] == "stopped" and info["restarts"] == 0, info
+        assert info["last_exit_reason"] == "exited with code 3: snapshot complete; not restarted"
+    await sup.stop(5)
+
+
 def test_children_die_with_their_parent(tmp_path: Path) -> None:
     # a supervising parent process that dies without cleanup must not leave its child behind
     parent = subprocess.Popen(script(f"""

@@ -303,3 +303,34 @@ async def test_shutdown_aborts_in_flight_with_typed_error(bus: BusContext) -> No
     await stopper
     assert 'reason="shutdown"' in a.metrics.render()[0].decode()
     assert engines[0].stats() == [] or engines[0].stats()[0].num_running == 0
+
+
+async def test_registers_only_after_the_engine_answered_its_probe(bus: BusContext) -> None:
+    """Ready means serving: an engine that hangs (check_health still passes) never reaches the
+    registry; its start fails so the supervisor retries it. A healthy one is registered only after
+    a token came back through its own generate subject."""
+    from supervisors.topology import HealthConfig
+
+    pool = PoolConfig(engine="mocker", health=HealthConfig(timeout=1.0))
+
+    def hung_engine() -> MockerEngine:
+        e = MockerEngine(dict(ARGS), role=pool.role, served_model_name=MODEL.name)
+        e.inject_hang()  # streams stall; check_health still passes
+        return e
+
+    hung = EngineActor(bus.child(), pool_name="p0", pool=pool, model=MODEL, engine_factory=hung_engine,
+                       instance="hung")
+    with pytest.raises(EngineDead, match="no token"):
+        await hung.start()
+    reg = Registry(bus.js, bus.subjects.bucket_instances)
+    await reg.ensure()
+    assert await reg.get("hung") is None
+
+    engines: list[MockerEngine] = []
+    ok = actor_for(bus, pool, instance="ok", engines=engines)
+    await ok.start()
+    try:
+        assert await reg.get("ok") is not None
+        assert engines[0].tokens_generated >= 1  # the probe really ran on the engine
+    finally:
+        await ok.stop(2.0)

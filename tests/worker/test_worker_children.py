@@ -1,5 +1,6 @@
-"""The whole worker (run_worker, mocker engine) with its engine dependants: KV publisher, LoRA
-manager and checkpoint actor, talking only over NATS; LoRA re-applied after an engine restart."""
+"""The whole worker (run_worker, mocker engine) with its engine dependants: KV publisher and LoRA
+manager, talking only over NATS; LoRA re-applied after an engine restart. (Checkpoint mode:
+test_checkpoint.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from actors.engines.protocol import SamplingOptions
 from actors.kv import hashing
 from actors.kv.contract import decode_event
 from actors.worker import contract as C
-from actors.worker.checkpoint import READY, RESTORE_DONE
 from actors.worker.contract import GenerateChunk, GenerateRequest
 from actors.worker.process import run_worker
 from bus import rpc
@@ -142,36 +142,6 @@ async def test_lora_and_kv_publisher_through_restart(nats_server, tmp_path: Path
         else:
             raise AssertionError("adapter not re-applied after the engine restart")
         assert await generate(ctx, inst, prompt, lora="a1", n=4)
-    finally:
-        stop.set()
-        assert await asyncio.wait_for(worker, 30) == 0
-        await ctx.close()
-
-
-async def test_checkpoint_restore_flow(nats_server, tmp_path: Path) -> None:
-    ns = f"c{secrets.token_hex(3)}"
-    control = tmp_path / "snap"
-    topo = write(tmp_path, nats_server.url, ns, extra=f'[pools.agg.checkpoint]\ncontrol_dir = "{control}"\n'
-                                                      "poll_interval = 0.02")
-    t = load_topology(topo)
-    stop = asyncio.Event()
-    worker = asyncio.create_task(run_worker(t, "agg", 0, stop=stop))
-    ctx = await open_context(nats_server.url, ns, "local", "test")
-    reg = Registry(ctx.js, ctx.subjects.bucket_instances)
-    await reg.ensure()
-    try:
-        for _ in range(300):  # the engine is built, put to sleep, and the ready marker appears
-            if (control / READY).exists():
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("no ready-for-snapshot marker")
-        engines = [k for k, v in (await reg.items()).items() if json.loads(v)["kind"] == "engine"]
-        assert engines == []  # asleep for the snapshot: not routable
-        (control / RESTORE_DONE).write_text("ok")  # the simulated snapshotter restored us
-        inst = await engine_instance(ctx)
-        assert await generate(ctx, inst, list(range(40)), n=4)
-        assert list(control.iterdir()) == []  # markers cleaned up
     finally:
         stop.set()
         assert await asyncio.wait_for(worker, 30) == 0
