@@ -1,8 +1,8 @@
 """The ``kv`` routing policy of the frontend: KV-cache-aware choice on the hot path, in process.
 
 Glue between the frontend's ``Router`` interface and ``actors.router``: ``KvRouter`` (hash → match →
-cost → book load) fed by a ``KvRouterFeed`` (KV events, load reports, registry). Nothing here does a
-network round trip per request. The router's block size is the one the workers register (their model
+cost → book load and predicted blocks) fed by a ``KvRouterFeed`` (KV events, load reports, registry).
+Nothing here does a network round trip per request. The router's block size is the one the workers register (their model
 card); a worker whose block size differs is costed as zero overlap, with a loud warning and a metric
 (actors.router.cost) — never silently.
 """
@@ -41,7 +41,19 @@ def _metrics() -> RouterMetrics:
     return _process_metrics
 
 
+RouterState = tuple[KvRouter, KvRouterFeed]
+
+
 class KvPolicy:
+    """The frontend's KV router: the process's only one (the ``ns.router.*`` endpoints serve it too).
+
+    It exists from the first moment a worker of the model is known with a KV block size: built
+    synchronously (from a registry change or the first ``choose``), while its feed starts in the
+    background. Decisions made before the feed is up are booked as predicted blocks and survive the
+    feed's bootstrap, which merges each worker's dump into the router. Round robin remains only
+    while no block size is known, and for text-mode requests (no token ids to hash).
+    """
+
     name = "kv"
 
     def __init__(self, workers: WorkerSet, bus: BusContext, config: FrontendConfig, model: str | None) -> None:
@@ -51,16 +63,29 @@ class KvPolicy:
         self.model = model
         self.router: KvRouter | None = None
         self.feed: KvRouterFeed | None = None
+        self.feed_started = asyncio.Event()
+        self._feed_task: asyncio.Task[None] | None = None
         self._rr = itertools.count()
-        self._init = asyncio.create_task(self._start(), name="kv-router-init")
+        workers.listeners.append(self._on_workers)
+        self._on_workers()
 
-    async def _start(self) -> None:
-        """Build the router once a worker has told us its KV block size, then follow the events."""
-        while True:
-            sizes = {w.block_size for w in self.workers.ready_instances() if w.block_size}
-            if sizes:
-                break
-            await asyncio.sleep(0.05)
+    def current(self) -> RouterState | None:
+        """The router and its feed, or None while no worker has registered a KV block size."""
+        router, feed = self.router, self.feed
+        return (router, feed) if router is not None and feed is not None else None
+
+    def _on_workers(self) -> None:
+        if self.router is None:
+            self._ensure([w for w in self.workers.ready_instances()
+                          if self.model is None or w.model == self.model])
+
+    def _ensure(self, workers: Sequence[Worker]) -> KvRouter | None:
+        """Build the router now if these workers tell a KV block size; start its feed in the background."""
+        if self.router is not None:
+            return self.router
+        sizes = {w.block_size for w in workers if w.block_size}
+        if not sizes:
+            return None
         block_size = min(sizes)
         if len(sizes) > 1:
             log.warning("kv router: workers register different KV block sizes %s; routing with %d, the "
@@ -71,16 +96,37 @@ class KvPolicy:
         mode = "kv" if self.config.kv_events else "approx"
         router = KvRouter(cfg, mode=mode, approx_ttl=self.config.approx_ttl, metrics=_metrics())
         feed = KvRouterFeed(self.bus, router, model=self.model)
-        await feed.start()
         self.router, self.feed = router, feed
-        log.info("kv router ready: block size %d, %s", block_size,
-                 "following KV events" if mode == "kv" else
+        self._feed_task = asyncio.get_running_loop().create_task(self._start_feed(feed),
+                                                                 name="kv-router-feed-start")
+        log.info("kv router built: block size %d, %s", block_size,
+                 "following KV events (feed starting)" if mode == "kv" else
                  f"approximate mode (own decisions, {self.config.approx_ttl:g}s TTL)")
+        return router
+
+    async def _start_feed(self, feed: KvRouterFeed) -> None:
+        delay = 0.5
+        while True:
+            try:
+                await feed.start()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # the router keeps routing on its own decisions meanwhile
+                log.warning("kv router: feed failed to start (%s); retrying in %.1fs", e, delay)
+                await feed.stop()
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                continue
+            self.feed_started.set()
+            return
 
     async def aclose(self) -> None:
-        self._init.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await self._init
+        with contextlib.suppress(ValueError):
+            self.workers.listeners.remove(self._on_workers)
+        if self._feed_task is not None:
+            self._feed_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._feed_task
         if self.feed is not None:
             await self.feed.stop()
 
@@ -88,16 +134,22 @@ class KvPolicy:
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
                request_id: str | None = None) -> Worker:
         cands = _candidates(pool, exclude, target)
-        router, feed = self.router, self.feed
-        if len(cands) == 1 or router is None or feed is None or not request_tokens:
-            # Pinned, a single candidate, text mode, or the index is not up yet: nothing to weigh.
+        router = self.router or self._ensure(cands)
+        feed = self.feed
+        if router is None or feed is None or not request_tokens:
+            # No block size known yet, or text mode: nothing to hash.
             return cands[next(self._rr) % len(cands)]
         by_instance = {w.instance: w for w in cands}
         ranks = [wk for wk in feed.known_workers() if wk[0] in by_instance]
         seen = {inst for inst, _ in ranks}
-        ranks += [(inst, 0) for inst in by_instance if inst not in seen]  # registered, no events yet
+        ranks += [(inst, 0) for inst in by_instance if inst not in seen]  # the feed has not seen it yet
+        if target is not None or len(ranks) == 1:
+            # Nothing to choose, but still booked: the next request of this session builds on it.
+            router.pin(request_tokens, ranks[0], request_id=request_id, lora_name=lora)
+            return cands[0]
+        sizes = feed.block_sizes() or {(w.instance, 0): w.block_size for w in cands}
         decision = router.route(request_tokens, ranks, request_id=request_id, lora_name=lora,
-                                block_sizes=feed.block_sizes())
+                                block_sizes=sizes)
         return by_instance[decision.instance]
 
     def tokens(self, request_id: str, n: int, first: bool) -> None:

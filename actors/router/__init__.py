@@ -1,7 +1,8 @@
 """KV-aware routing (pure logic; the NATS transport lives elsewhere).
 
 - :mod:`actors.router.index`: exact KV index fed by KV events (gap detection, dump/range recovery)
-- :mod:`actors.router.approx`: approximate index fed by the router's own decisions (TTL)
+- :mod:`actors.router.approx`: index fed by the router's own decisions (TTL): the approx-mode index, and
+  the kv-mode overlay of predicted blocks
 - :mod:`actors.router.load`: active prefill/decode load per worker
 - :mod:`actors.router.cost`: cost function and selection
 - :mod:`actors.router.kv_router`: the facade the frontend calls per request

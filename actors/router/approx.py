@@ -1,4 +1,10 @@
-"""Approximate KV index for engines without KV events: fed by the router's own decisions.
+"""Approximate KV index, fed by the router's own decisions; two uses.
+
+* For engines without KV events (``mode="approx"``) it *is* the index.
+* In ``mode="kv"`` it is the **prediction overlay** over the event-fed KvIndex: a routed request's
+  blocks count as cached on the chosen worker at once, before its KV events arrive (Dynamo books
+  its decisions the same way). ``forget`` / ``forget_worker`` end predictions that events confirm
+  or contradict.
 
 After routing a request to a worker we *assume* the worker now caches the request's full blocks
 for ``ttl`` seconds (re-routing the same prefix refreshes it). Same query interface as
@@ -11,13 +17,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 Worker = tuple[str, int]
 
 
 class ApproxIndex:
-    def __init__(self, ttl: float = 120.0, *, clock=time.monotonic) -> None:
+    def __init__(self, ttl: float = 120.0, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl = ttl
         self._clock = clock
         self._owners: dict[int, dict[Worker, float]] = {}  # seq hash -> {worker: expiry}
@@ -82,7 +88,55 @@ class ApproxIndex:
             result[w] = len(seq_hashes)
         return result
 
+    def now(self) -> float:
+        return self._clock()
+
+    def holds(self, seq_hash: int, worker: Worker, now: float) -> bool:
+        """Whether ``worker`` is assumed to hold ``seq_hash`` at ``now`` (unexpired)."""
+        d = self._owners.get(seq_hash)
+        if d is None:
+            return False
+        exp = d.get(worker)
+        return exp is not None and exp > now
+
+    def live_owners(self, seq_hash: int, now: float) -> list[Worker]:
+        d = self._owners.get(seq_hash)
+        return [w for w, exp in d.items() if exp > now] if d else []
+
+    def forget(self, worker: Worker, seq_hashes: Iterable[int]) -> int:
+        """End the assumption for these blocks of ``worker`` (events confirmed or removed them)."""
+        owners = self._owners
+        gone = 0
+        for h in seq_hashes:
+            d = owners.get(h)
+            if d is None or worker not in d:
+                continue
+            del d[worker]
+            gone += 1
+            if not d:
+                del owners[h]
+        if gone:
+            self._counts[worker] -= gone
+        return gone
+
+    def forget_worker(self, worker: Worker) -> int:
+        """End every assumption about one (instance, dp_rank) (its cache was cleared)."""
+        n = self._counts.pop(worker, 0)
+        if n:
+            for h in [h for h, d in self._owners.items() if worker in d]:
+                d = self._owners[h]
+                del d[worker]
+                if not d:
+                    del self._owners[h]
+        return n
+
+    def predicted(self) -> int:
+        """(block, worker) pairs currently assumed, expired ones not yet swept included."""
+        return sum(self._counts.values())
+
     def remove_worker(self, instance: str) -> None:
+        if not any(w[0] == instance for w in self._counts):
+            return  # registry removals of other actors are frequent; skip the full scan
         for h in list(self._owners):
             d = self._owners[h]
             for w in [w for w in d if w[0] == instance]:
@@ -102,5 +156,6 @@ class ApproxIndex:
         return len(self._owners)
 
     def stats(self) -> dict:
+        self.prune()
         return {"blocks": len(self._owners), "ttl": self.ttl,
-                "workers": {f"{w[0]}/{w[1]}": n for w, n in self._counts.items()}}
+                "workers": {f"{w[0]}/{w[1]}": n for w, n in self._counts.items() if n}}

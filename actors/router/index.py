@@ -290,6 +290,10 @@ class KvIndex:
                 result[w] = n
         return result
 
+    def holds(self, seq_hash: int, worker: Worker) -> bool:
+        owners = self._owners.get(seq_hash)
+        return owners is not None and worker in owners
+
     def workers(self) -> list[Worker]:
         return list(self._workers)
 

@@ -4,6 +4,12 @@ Pure logic (no NATS): the transport feeds ``apply_event`` / ``apply_range`` / ``
 ``ns.kv.events.*`` and the publishers' index endpoints, ``reconcile`` from ``ns.load.*``, and
 ``remove_worker`` when a registry entry expires. The frontend calls ``route`` then
 ``first_token`` / ``add_output_tokens`` / ``finish`` for each request.
+
+Decisions are booked at once: in ``kv`` mode, the blocks of a routed request are *predicted* on the
+chosen worker (an :class:`ApproxIndex` overlay with a TTL) until its KV events confirm them, a
+removal or clear contradicts them, or the worker goes. Without that, a follow-up sent before the
+first request's events arrive sees no overlap anywhere and lands on another worker. A worker holds
+block ``i`` if the event-fed index *or* the overlay says so; its overlap is the longest such prefix.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from actors.kv import hashing
@@ -31,12 +37,16 @@ Worker = tuple[str, int]
 class KvRouter:
     def __init__(self, config: RouterConfig, *, mode: Literal["kv", "approx"] = "kv",
                  approx_ttl: float = 120.0, metrics: RouterMetrics | None = None,
-                 rng: random.Random | None = None, load: LoadTracker | None = None) -> None:
+                 rng: random.Random | None = None, load: LoadTracker | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.mode = mode
         self.metrics = metrics or RouterMetrics()
         self.index: KvIndex | ApproxIndex = (
-            KvIndex(config.block_size, metrics=self.metrics) if mode == "kv" else ApproxIndex(approx_ttl))
+            KvIndex(config.block_size, metrics=self.metrics) if mode == "kv"
+            else ApproxIndex(approx_ttl, clock=clock))
+        # kv mode: decisions not yet confirmed by events (approx mode's index already is that)
+        self.predictions: ApproxIndex | None = ApproxIndex(approx_ttl, clock=clock) if mode == "kv" else None
         self.load = load or LoadTracker(config.block_size)
         self.selector = CostSelector(config, metrics=self.metrics, rng=rng)
         self._auto_id = 0
@@ -45,15 +55,16 @@ class KvRouter:
     # ---- hot path --------------------------------------------------------------------------------
     def route(self, tokens: Sequence[int], workers: Sequence[Worker], *, request_id: str | None = None,
               lora_name: str | None = None, salt: str | None = None,
-              block_sizes: Mapping[Worker, int | None] | None = None) -> RoutingDecision:
-        """Choose a worker for ``tokens`` and book the request's load there."""
+              block_sizes: Mapping[Worker, int | None] | None = None, book: bool = True) -> RoutingDecision:
+        """Choose a worker for ``tokens``; with ``book``, book the request's load and blocks there."""
         m = self.metrics
         t0 = time.perf_counter()
         seqs = hashing.sequence_hashes(tokens, self.config.block_size, lora_name, salt)
         t1 = time.perf_counter()
-        overlaps = self.index.find_matches(seqs)
+        real = self.index.find_matches(seqs)
+        overlaps = self._with_predictions(seqs, real)
         t2 = time.perf_counter()
-        decision = self.selector.select(workers, len(tokens), overlaps, self.load, self.index,
+        decision = self.selector.select(workers, len(tokens), overlaps, self.load, self,
                                         block_sizes=block_sizes)
         t3 = time.perf_counter()
         decision.mode = self.mode
@@ -65,18 +76,73 @@ class KvRouter:
             dec = self._decisions[self.mode] = m.decisions.labels(self.mode)
         dec.inc()
         m.observe_hit(len(seqs), decision.overlap_blocks)
-        if request_id is None:
-            self._auto_id += 1
-            request_id = f"auto-{self._auto_id}"
-        self.load.add_request(request_id, decision.worker, len(tokens), decision.overlap_blocks)
-        if isinstance(self.index, ApproxIndex):
-            self.index.record(decision.worker, seqs)
+        if book:
+            self._book(seqs, real, decision, len(tokens), request_id)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s -> %s/%d overlap=%d/%d cost=%.2f costs=%s", request_id,
                       decision.instance, decision.dp_rank, decision.overlap_blocks,
                       decision.request_blocks, decision.cost,
                       [(c.instance, c.dp_rank, c.overlap_blocks, round(c.cost, 2)) for c in decision.costs])
         return decision
+
+    def pin(self, tokens: Sequence[int], worker: Worker, *, request_id: str | None = None,
+            lora_name: str | None = None, salt: str | None = None) -> RoutingDecision:
+        """Book a request whose worker is already fixed (pinned by the client, or the only one)."""
+        seqs = hashing.sequence_hashes(tokens, self.config.block_size, lora_name, salt)
+        real = self.index.find_matches(seqs)
+        overlap = self._with_predictions(seqs, real).get(worker, 0)
+        decision = RoutingDecision(worker[0], worker[1], overlap, 0.0, len(tokens) // self.config.block_size,
+                                   mode=self.mode)
+        self._book(seqs, real, decision, len(tokens), request_id)
+        return decision
+
+    def _book(self, seqs: list[int], real: Mapping[Worker, int], decision: RoutingDecision, n_tokens: int,
+              request_id: str | None) -> None:
+        if request_id is None:
+            self._auto_id += 1
+            request_id = f"auto-{self._auto_id}"
+        w = decision.worker
+        self.load.add_request(request_id, w, n_tokens, decision.overlap_blocks)
+        if isinstance(self.index, ApproxIndex):
+            self.index.record(w, seqs)
+            return
+        preds = self.predictions
+        assert preds is not None
+        index = self.index
+        # Only what the events have not confirmed yet (re-predicting a block refreshes its TTL).
+        todo = [h for h in seqs[real.get(w, 0):] if not index.holds(h, w)]
+        if todo:
+            preds.record(w, todo)
+        self.metrics.predicted_blocks.set(preds.predicted())
+
+    def _with_predictions(self, seqs: list[int], real: dict[Worker, int]) -> dict[Worker, int]:
+        """Per worker, the longest prefix of ``seqs`` held per the index or predicted."""
+        preds = self.predictions
+        if preds is None or not seqs or not len(preds):
+            return real
+        now = preds.now()
+        preds.prune(now)
+        index = self.index
+        assert isinstance(index, KvIndex)
+        cands = set(real)
+        cands.update(preds.live_owners(seqs[0], now))
+        out: dict[Worker, int] = {}
+        end = len(seqs)
+        for w in cands:
+            n = real.get(w, 0)
+            while n < end and (preds.holds(seqs[n], w, now) or index.holds(seqs[n], w)):
+                n += 1
+            if n:
+                out[w] = n
+        return out
+
+    # ---- IndexView for the cost function's tie-break (cached + predicted blocks) -----------------
+    def worker_blocks(self, worker: Worker) -> int:
+        n = self.index.worker_blocks(worker)
+        return n + self.predictions.worker_blocks(worker) if self.predictions is not None else n
+
+    def worker_block_size(self, worker: Worker) -> int | None:
+        return self.index.worker_block_size(worker)
 
     def first_token(self, request_id: str) -> None:
         self.load.first_token(request_id)
@@ -89,15 +155,62 @@ class KvRouter:
 
     # ---- feeds -----------------------------------------------------------------------------------
     def apply_event(self, event: RouterKvEvent) -> Gap | None:
-        if isinstance(self.index, KvIndex):
-            return self.index.apply(event)
-        return None
+        if not isinstance(self.index, KvIndex):
+            return None
+        gap = self.index.apply(event)
+        preds = self.predictions
+        if preds is not None and len(preds):
+            w = event.worker
+            if event.kind == "stored":
+                self._confirm(w, [b.seq_hash for b in event.stored])
+            elif event.kind == "removed":
+                self._contradict(w, event.removed)
+            else:
+                self._contradict_all(w)
+        return gap
 
     def apply_range(self, reply: KvRangeReply) -> Gap | None:
-        return self.index.apply_range(reply) if isinstance(self.index, KvIndex) else None
+        if not isinstance(self.index, KvIndex):
+            return None
+        gap = self.index.apply_range(reply)
+        preds = self.predictions
+        if preds is not None and len(preds):
+            w = (reply.instance, reply.dp_rank)
+            for ev in reply.events:
+                if ev.kind == "stored":
+                    self._confirm(w, [b.seq_hash for b in ev.stored])
+                elif ev.kind == "removed":
+                    self._contradict(w, ev.removed)
+        return gap
 
     def load_dump(self, instance: str, snapshot: KvSnapshot) -> Gap | None:
-        return self.index.load_dump(instance, snapshot) if isinstance(self.index, KvIndex) else None
+        """Replace one worker's blocks (the others', and every prediction, are kept)."""
+        if not isinstance(self.index, KvIndex):
+            return None
+        gap = self.index.load_dump(instance, snapshot)
+        if self.predictions is not None and len(self.predictions):
+            self._confirm((instance, snapshot.dp_rank), [b.seq_hash for b in snapshot.blocks])
+        return gap
+
+    def _confirm(self, w: Worker, hashes: list[int]) -> None:
+        """Predictions the index now holds are no longer predictions (a buffered event confirms nothing)."""
+        preds = self.predictions
+        assert preds is not None and isinstance(self.index, KvIndex)
+        index = self.index
+        if preds.forget(w, [h for h in hashes if index.holds(h, w)]):
+            self.metrics.predicted_blocks.set(preds.predicted())
+
+    def _contradict(self, w: Worker, hashes: list[int]) -> None:
+        preds = self.predictions
+        assert preds is not None
+        if preds.forget(w, hashes):
+            self.metrics.predicted_blocks.set(preds.predicted())
+
+    def _contradict_all(self, w: Worker) -> None:
+        preds = self.predictions
+        assert preds is not None
+        if preds.forget_worker(w):
+            self.metrics.predicted_blocks.set(preds.predicted())
 
     def reconcile(self, report: LoadReport) -> None:
         self.load.reconcile(report)
@@ -105,7 +218,15 @@ class KvRouter:
     def remove_worker(self, instance: str) -> None:
         self.index.remove_worker(instance)
         self.load.remove_worker(instance)
+        if self.predictions is not None:
+            self.predictions.remove_worker(instance)
+            self.metrics.predicted_blocks.set(self.predictions.predicted())
 
     def stats(self) -> dict:
-        return {"mode": self.mode, "block_size": self.config.block_size, "index": self.index.stats(),
-                "load": self.load.snapshot()}
+        out = {"mode": self.mode, "block_size": self.config.block_size, "index": self.index.stats(),
+               "load": self.load.snapshot()}
+        if self.predictions is not None:
+            p = self.predictions.stats()
+            out["predicted"] = {"blocks": self.predictions.predicted(), "hashes": p["blocks"],
+                                "ttl": p["ttl"], "workers": p["workers"]}
+        return out

@@ -6,7 +6,10 @@ there until they finish, growing as output crosses block boundaries). Our own bo
 and immediate but blind to other frontends; a worker's :class:`LoadReport` sees everyone but lags.
 ``reconcile`` keeps the latest report, and the effective decode load is the larger of the two while
 the report is fresh (``report_ttl``), so neither a burst we just sent nor another frontend's
-traffic is ignored.
+traffic is ignored. A report taken before one of our own requests on that worker finished is
+stale for the part we know best (it still counts the finished request's blocks), so it is set aside
+until the worker's next report: otherwise a session's next turn, sent right after the last one
+ended, would see its own finished turn as load on the worker that holds its prefix and move.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class LoadTracker:
         self._reqs: dict[str, _Req] = {}
         self._load: dict[Worker, WorkerLoad] = {}
         self._reports: dict[Worker, tuple[float, LoadReport]] = {}
+        self._released: dict[Worker, float] = {}  # when our last request on the worker finished
 
     def _blocks(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -92,6 +96,7 @@ class LoadTracker:
         r = self._reqs.pop(request_id, None)
         if r is None:
             return
+        self._released[r.worker] = self._clock()
         wl = self._load[r.worker]
         wl.prefill_tokens -= r.prefill_tokens
         wl.decode_blocks -= r.decode_blocks
@@ -115,13 +120,17 @@ class LoadTracker:
     def remove_worker(self, instance: str) -> None:
         for w in [w for w in self._reports if w[0] == instance]:
             del self._reports[w]
+        for w in [w for w in self._released if w[0] == instance]:
+            del self._released[w]
         for rid in [rid for rid, r in self._reqs.items() if r.worker[0] == instance]:
             self.finish(rid)
 
-    def _fresh_report(self, worker: Worker) -> LoadReport | None:
+    def _fresh_report(self, worker: Worker, *, load: bool = False) -> LoadReport | None:
         item = self._reports.get(worker)
         if item is None or self._clock() - item[0] > self.report_ttl:
             return None
+        if load and item[0] <= self._released.get(worker, float("-inf")):
+            return None  # older than our latest finish there: superseded until the next report
         return item[1]
 
     # ---- queries -------------------------------------------------------------------------------
@@ -132,7 +141,7 @@ class LoadTracker:
     def decode_blocks(self, worker: Worker) -> int:
         wl = self._load.get(worker)
         own = wl.decode_blocks if wl else 0
-        rep = self._fresh_report(worker)
+        rep = self._fresh_report(worker, load=True)
         return max(own, rep.active_kv_blocks) if rep else own
 
     def kv_usage(self, worker: Worker) -> float | None:

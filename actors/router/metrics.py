@@ -29,6 +29,10 @@ class RouterMetrics:
                                   "Gaps detected in a worker's KV event ids", registry=reg)
         self.index_blocks = Gauge("router_kv_index_blocks",
                                   "Distinct sequence hashes in the index", registry=reg)
+        self.predicted_blocks = Gauge(
+            "router_predicted_blocks",
+            "(block, worker) pairs assumed cached from routing decisions, not yet confirmed by KV events",
+            registry=reg)
         self.block_size_mismatch = Counter(
             "router_block_size_mismatch_total",
             "Events or routing decisions involving a worker whose block size differs from the router's",

@@ -1,39 +1,48 @@
-"""Router micro service: a KvRouter + KvRouterFeed reachable over NATS (CLI, planners, frontends).
+"""The KV router's NATS endpoints, served by the frontend over its own in-process router.
+
+There is one KV router per process: the frontend's (``actors.frontend.kv_routing.KvPolicy``). These
+handlers expose it on the bus, so the CLI, a planner or another frontend sees exactly what the
+frontend routes with (a second router beside it would guess its block size and build a second
+index). :class:`RouterEndpoints` is transport-free glue over a *provider*: a callable returning the
+current ``(KvRouter, KvRouterFeed)``, or None while no worker has registered a KV block size.
+``FrontendActor.endpoints()`` adds them when the frontend routes by ``kv``.
 
 Endpoints (JSON without headers works, as ``nats req`` sends it; msgpack by Content-Type):
 
 * ``Subjects.router("route")`` — :class:`RouteRequest` → the decision
   ``{instance, dp_rank, overlap_blocks, cost, request_blocks, costs, excluded_busy, mode}``.
   ``workers`` defaults to every live worker in the registry (of ``role`` when given). The request's
-  load is *not* booked unless ``book`` is true (a CLI or planner query must not leave phantom load
-  behind); a booked request is released with ``finish`` (its ``request_id``).
+  load and predicted blocks are *not* booked unless ``book`` is true (a CLI or planner query must
+  not leave phantom load behind); a booked request is released with ``finish`` (its ``request_id``).
 * ``Subjects.router("finish")`` — ``{request_id}``: release a booked request's load.
-* ``Subjects.router("index.stats")`` — index, load and feed counters.
+* ``Subjects.router("index.stats")`` — index, predicted blocks, load and feed counters
+  (``ready: false`` and empty views while the router does not exist yet).
 * ``Subjects.router("index.dump")`` — ``{instance?, limit?}`` → blocks per worker (hashes).
 
-The frontend's hot path does not come here: it runs its own KvRouter + KvRouterFeed in process.
+Before a worker has registered, route, finish and index.dump answer a typed 503.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 
-from actors.base import Actor, Endpoint
-from actors.router.cost import RouterConfig
+from actors.base import Endpoint
 from actors.router.feed import KvRouterFeed
 from actors.router.index import KvIndex
 from actors.router.kv_router import KvRouter
-from bus.context import BusContext
 from bus.errors import BadRequest, Overloaded
+from bus.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
 Worker = tuple[str, int]
+RouterState = tuple[KvRouter, KvRouterFeed]
+NOT_READY = "router not ready: no worker has registered a KV block size yet"
 
 
 class RouteRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -56,32 +65,15 @@ class DumpRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     limit: int | None = None  # at most this many hashes per worker
 
 
-class RouterService(Actor):
-    kind: ClassVar[str] = "router"
-    description: ClassVar[str] = "KV-aware router: route, index stats and dump"
-    version: ClassVar[str] = "0.1.0"
+class RouterEndpoints:
+    """``ns.router.*`` handlers over whatever router ``provider`` returns now."""
 
-    def __init__(self, bus: BusContext, router: KvRouter | None = None, *, block_size: int | None = None,
-                 config: RouterConfig | None = None, feed: KvRouterFeed | None = None,
-                 recovery_timeout: float = 10.0, instance: str | None = None, model: str = "",
-                 register: bool = True) -> None:
-        super().__init__(bus, instance=instance or f"router-{secrets.token_hex(4)}", role="router",
-                         model=model, register=register)
-        if router is None:
-            if config is None:
-                if block_size is None:
-                    raise ValueError("RouterService needs a router, a config or a block_size")
-                config = RouterConfig(block_size=block_size)
-            router = KvRouter(config)
-        self.router = router
-        self._own_feed = feed is None
-        # With a model, only that model's workers are indexed and offered (models may differ in
-        # block size); without one, every worker in the namespace.
-        self.feed = feed or KvRouterFeed(bus, router, recovery_timeout=recovery_timeout, model=model or None)
+    def __init__(self, provider: Callable[[], RouterState | None]) -> None:
+        self.provider = provider
         self.routed = 0
 
-    def endpoints(self) -> list[Endpoint]:
-        s = self.bus.subjects
+    def endpoints(self, subjects: Subjects) -> list[Endpoint]:
+        s = subjects
         return [
             Endpoint("route", s.router("route"), self.route, RouteRequest),
             Endpoint("finish", s.router("finish"), self.finish, FinishRequest),
@@ -89,32 +81,22 @@ class RouterService(Actor):
             Endpoint("index_dump", s.router("index.dump"), self.index_dump, DumpRequest, bounded=False),
         ]
 
-    def metadata(self) -> dict[str, str]:
-        md = super().metadata()
-        md["block_size"] = str(self.router.config.block_size)
-        md["mode"] = self.router.mode
-        return md
-
-    def statistics(self) -> dict[str, Any]:
-        return {"routed": self.routed, "index_blocks": len(self.router.index), "feed": self.feed.stats()}
-
-    async def on_start(self) -> None:
-        if self._own_feed:
-            await self.feed.start()
-
-    async def on_stop(self) -> None:
-        if self._own_feed:
-            await self.feed.stop()
+    def _state(self) -> RouterState:
+        state = self.provider()
+        if state is None:
+            raise Overloaded(NOT_READY)
+        return state
 
     # --- endpoints -----------------------------------------------------------------------------------
-    def _workers(self, req: RouteRequest) -> list[Worker]:
+    @staticmethod
+    def _workers(feed: KvRouterFeed, req: RouteRequest) -> list[Worker]:
         if req.workers is None:
-            workers = self.feed.known_workers(req.role)
+            workers = feed.known_workers(req.role)
             if not workers:
                 raise Overloaded("no live worker in the registry" + (f" with role {req.role!r}"
                                                                       if req.role else ""))
             return workers
-        known = self.feed.known_workers()
+        known = feed.known_workers()
         out: list[Worker] = []
         for w in req.workers:
             if isinstance(w, tuple | list):
@@ -132,12 +114,11 @@ class RouterService(Actor):
         return out
 
     async def route(self, req: RouteRequest, headers: Mapping[str, str]) -> dict[str, Any]:
-        workers = self._workers(req)
+        router, feed = self._state()
+        workers = self._workers(feed, req)
         rid = req.request_id or f"svc-{secrets.token_hex(6)}"
-        decision = self.router.route(req.token_ids, workers, request_id=rid, lora_name=req.lora_name,
-                                     salt=req.salt, block_sizes=self.feed.block_sizes())
-        if not req.book:
-            self.router.finish(rid)
+        decision = router.route(req.token_ids, workers, request_id=rid, lora_name=req.lora_name,
+                                salt=req.salt, block_sizes=feed.block_sizes(), book=req.book)
         self.routed += 1
         out = decision.to_dict()
         out["request_id"] = rid
@@ -145,17 +126,24 @@ class RouterService(Actor):
         return out
 
     async def finish(self, req: FinishRequest, headers: Mapping[str, str]) -> dict[str, Any]:
-        self.router.finish(req.request_id)
+        router, _ = self._state()
+        router.finish(req.request_id)
         return {"request_id": req.request_id, "finished": True}
 
     async def index_stats(self, req: Any, headers: Mapping[str, str]) -> dict[str, Any]:
-        return {**self.router.stats(), "feed": self.feed.stats(), "known_workers":
-                [f"{i}/{r}" for i, r in self.feed.known_workers()]}
+        state = self.provider()
+        if state is None:
+            return {"ready": False, "reason": NOT_READY, "mode": None, "block_size": None,
+                    "index": {"blocks": 0, "workers": {}}, "load": {}, "feed": {}, "known_workers": []}
+        router, feed = state
+        return {"ready": True, **router.stats(), "feed": feed.stats(), "known_workers":
+                [f"{i}/{r}" for i, r in feed.known_workers()]}
 
     async def index_dump(self, req: DumpRequest, headers: Mapping[str, str]) -> dict[str, Any]:
-        index = self.router.index
+        router, _ = self._state()
+        index = router.index
         if not isinstance(index, KvIndex):
-            raise BadRequest(f"index.dump needs the exact (kv) index; this router runs {self.router.mode!r}")
+            raise BadRequest(f"index.dump needs the exact (kv) index; this router runs {router.mode!r}")
         workers: dict[str, Any] = {}
         for w in sorted(index.workers()):
             if req.instance is not None and w[0] != req.instance:
@@ -167,4 +155,4 @@ class RouterService(Actor):
                                          "block_size": index.worker_block_size(w),
                                          "last_event_id": index.last_event_id(w),
                                          "num_blocks": index.worker_blocks(w), "blocks": hashes}
-        return {"block_size": self.router.config.block_size, "blocks": len(index), "workers": workers}
+        return {"block_size": router.config.block_size, "blocks": len(index), "workers": workers}

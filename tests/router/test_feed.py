@@ -293,3 +293,62 @@ async def test_model_filter_indexes_only_that_models_workers(cluster: Cluster) -
     await converged(router, feed, a, late)
     assert feed.known_workers() == [("wm1", 0), ("wm3", 0)]
     assert ("wm2", 0) not in router.index.workers() and feed.counters["events_ignored"] >= 1
+
+
+async def test_joining_worker_bootstraps_without_touching_the_others(cluster: Cluster) -> None:
+    a = await cluster.add_worker("wj1")
+    b = await cluster.add_worker("wj2")
+    router, feed = await cluster.feed()
+    await a.generate(list(range(100, 100 + 4 * BS)), "a")
+    await b.generate(list(range(200, 200 + 3 * BS)), "b")
+    await converged(router, feed, a, b)
+    # a decision whose blocks no event has confirmed yet (booked as predicted blocks)
+    pending = list(range(900, 900 + 5 * BS))
+    d = router.route(pending, [("wj1", 0), ("wj2", 0)], request_id="p")
+    router.finish("p")  # its load is gone, its blocks stay predicted
+    before = {w: indexed(router, cluster.workers[w]) for w in ("wj1", "wj2")}
+    predicted = router.stats()["predicted"]["blocks"]
+    assert predicted == 5 and before["wj1"] and before["wj2"]
+    dumps = feed.counters["dumps"]
+    # a third worker with a cache of its own registers: the feed bootstraps it from its dump
+    c = await cluster.add_worker("wj3", register=False)
+    await c.generate(list(range(300, 300 + 2 * BS)), "c")
+    reg = Registry(cluster.bus.js, cluster.bus.subjects.bucket_instances)
+    c.registry = reg
+    await reg.ensure()
+    await reg.register("wj3", InstanceRecord(instance="wj3", kind="engine", role="agg", model="mock",
+                                             host="h", pid=1, block_size=BS))
+    await eventually(lambda: feed.counters["dumps"] == dumps + 1)  # only the newcomer is dumped
+    await converged(router, feed, a, b, c)
+    assert feed.counters["dumps"] == dumps + 1 and feed.known_workers()[-1] == ("wj3", 0)
+    assert indexed(router, c) == c.blocks() and len(c.blocks()) == 2
+    assert {w: indexed(router, cluster.workers[w]) for w in ("wj1", "wj2")} == before
+    assert router.stats()["predicted"]["blocks"] == predicted
+    assert router.route(pending, feed.known_workers(), book=False).overlap_blocks == 5
+    assert router.route(pending, feed.known_workers(), book=False).instance == d.instance
+
+
+async def test_router_used_before_its_feed_keeps_its_decisions(cluster: Cluster) -> None:
+    a = await cluster.add_worker("wf1")
+    b = await cluster.add_worker("wf2")
+    await a.generate(list(range(10, 10 + 3 * BS)), "a")
+    await b.generate(list(range(20, 20 + 3 * BS)), "b")
+    # the frontend routes before its feed is up (the router is built from the registry's block size)
+    router = KvRouter(RouterConfig(block_size=BS))
+    early = list(range(700, 700 + 4 * BS))
+    d = router.route(early, [("wf1", 0), ("wf2", 0)], request_id="e")
+    router.finish("e")
+    feed = KvRouterFeed(cluster.bus, router, recovery_timeout=5.0, retry_interval=0.1)
+    await feed.start()
+    cluster.feeds.append(feed)
+    await converged(router, feed, a, b)
+    # the bootstrap dumps merged into the router: both workers' caches, and the early decision
+    assert feed.counters["dumps"] == 2
+    assert router.stats()["predicted"]["blocks"] == 4
+    again = router.route(early + [1] * BS, feed.known_workers(), book=False)
+    assert again.instance == d.instance and again.overlap_blocks == 4
+    # the chosen worker then really stores them: the events confirm the prediction
+    await cluster.workers[d.instance].generate(early, "e")
+    await converged(router, feed, a, b)
+    assert router.stats()["predicted"]["blocks"] == 0
+    assert router.route(early, feed.known_workers(), book=False).overlap_blocks == 4

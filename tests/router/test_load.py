@@ -50,6 +50,23 @@ def test_reconcile_takes_max_while_fresh():
     assert lt.decode_blocks(B) == 10 and lt.kv_usage(B) is None
 
 
+def test_a_report_older_than_our_last_finish_does_not_count_as_load():
+    """A worker's report lags (one per second): taken while our request ran, it still counts that
+    request's blocks after we saw it finish. Until the next report our own bookkeeping wins."""
+    now = [0.0]
+    lt = LoadTracker(BS, clock=lambda: now[0], report_ttl=5)
+    lt.add_request("turn1", A, 40 * BS)
+    now[0] = 0.5
+    lt.reconcile(_report("a", 0, 41))  # sampled while turn1 runs
+    assert lt.decode_blocks(A) == 41
+    now[0] = 0.6
+    lt.finish("turn1")
+    assert lt.decode_blocks(A) == 0 and lt.kv_usage(A) == 0.5  # usage is still reported
+    now[0] = 1.5
+    lt.reconcile(_report("a", 0, 7))  # a newer report (another frontend's traffic) counts again
+    assert lt.decode_blocks(A) == 7
+
+
 def test_sweep_and_remove_worker():
     now = [0.0]
     lt = LoadTracker(BS, clock=lambda: now[0], request_ttl=100)
