@@ -5,8 +5,8 @@
     ├── inproc          rest_for_one: everything that shares this process's NATS connection
     │   ├── bus         the one NATS connection of this OS process
     │   ├── control     the root supervisor's micro service (ns.supervisor.<host>.*)
-    │   ├── router      the KV router micro service, when the frontend routes by KV
-    │   ├── frontend    the OpenAI HTTP gateway, on its host
+    │   ├── frontend    the OpenAI HTTP gateway, on its host (with the kv router it also serves
+    │   │               ns.router.*: the process's one KV router, no separate router actor)
     │   ├── planner     (no issue yet: reported as pending)
     │   └── echo        the example actor, when `echo = true` and this host is in echo_hosts
     └── worker-<pool>-<i>   one OS process per worker replica (its own connection and supervisor)
@@ -161,7 +161,7 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
         inproc.append(Node(ChildSpec("control", lambda: control(link), "permanent", sup.drain_timeout),
                            "control", f"supervisor micro service on {t.namespace}.supervisor.{host}.*"))
     for h in shares:
-        inproc += _router_nodes(t, h, link) + _frontend_nodes(t, h, link) + _planner_nodes(t, h, link)
+        inproc += _frontend_nodes(t, h, link, relay, shares) + _planner_nodes(t, h, link)
         if t.echo and h in t.echo_hosts:
             inproc.append(_echo_node(t, h, link, multi=len(shares) > 1))
     inproc_sup = SupervisorConfig(strategy="rest_for_one", intensity=sup.intensity, period=sup.period,
@@ -186,7 +186,8 @@ def _supervisor(name: str, nodes: list[Node], cfg: SupervisorConfig,
                 status: Callable[[str], None] | None = None) -> Child:
     from supervisors.supervisor import Supervisor
     return Supervisor(name, [n.spec for n in nodes], strategy=cfg.strategy, intensity=cfg.intensity,
-                      period=cfg.period, backoff=_backoff(cfg.backoff), on_status=status)
+                      period=cfg.period, backoff=_backoff(cfg.backoff), on_status=status,
+                      start_concurrency=cfg.start_concurrency)
 
 
 def _backoff(b: BackoffConfig) -> dict[str, float]:
@@ -194,7 +195,8 @@ def _backoff(b: BackoffConfig) -> dict[str, float]:
 
 
 def _nats_node(t: Topology) -> Node:
-    store = t.bus.store_dir or str(run_dir(t) / "nats")
+    # one store per deployment: a host tells deployments of one namespace apart by their bus port
+    store = t.bus.store_dir or str(run_dir(t) / f"nats-{t.bus.port}")
 
     def start() -> Child:
         from bus.embedded import EmbeddedNats
@@ -235,14 +237,19 @@ def _worker_nodes(t: Topology, name: str, pool: PoolConfig, topology_path: str |
         cid = f"worker-{name}-{i}"
 
         def start(cid: str = cid, argv: list[str] = argv) -> Child:
+            from actors.worker.process import EXIT_OK, EXIT_SNAPSHOT_DONE
             from supervisors.process import ProcessChild
-            return ProcessChild(cid, argv, env=pool.env, ready_timeout=ready_timeout)
+            return ProcessChild(cid, argv, env=pool.env, ready_timeout=ready_timeout,
+                                normal_exit_codes=(EXIT_OK, EXIT_SNAPSHOT_DONE))
 
         # the worker's own shutdown drains in-flight requests first, then stops its engine
         shutdown = pool.supervisor.shutdown_timeout + pool.sleep.drain_timeout
-        nodes.append(Node(ChildSpec(cid, start, "permanent", shutdown,
+        # checkpoint pools: a worker whose snapshot was taken exits for good (not restarted)
+        restart = "transient" if pool.checkpoint.control_dir else "permanent"
+        # workers depend on no sibling worker: their engines load at once (after nats and inproc)
+        nodes.append(Node(ChildSpec(cid, start, restart, shutdown,
                                     meta={"pool": name, "replica": str(i), "role": pool.role,
-                                          "engine": pool.engine}),
+                                          "engine": pool.engine}, parallel=True),
                           "process", f"{pool.role} {pool.engine} worker: {' '.join(argv[1:])}"))
     return nodes
 
@@ -250,45 +257,26 @@ def _worker_nodes(t: Topology, name: str, pool: PoolConfig, topology_path: str |
 # --- in-process serving actors of a host ----------------------------------------------------------
 
 
-def _frontend_nodes(t: Topology, host: str, link: BusLink) -> list[Node]:
-    """The OpenAI HTTP frontend, on the host the topology names."""
+def _frontend_nodes(t: Topology, host: str, link: BusLink, status: Callable[[str], None],
+                    shares: list[str]) -> list[Node]:
+    """The OpenAI HTTP frontend, on the host the topology names. It knows the pools it waits for
+    (readiness) and which roots to ask what a missing worker is doing: this process's root (named
+    ``link.host``) for the hosts it runs, each other host's own root otherwise."""
     if not (t.frontend.enabled and t.frontend.host == host):
         return []
     fe, model = t.frontend, t.model
+    roots = sorted({link.host if p.host in shares else p.host for p in t.pools.values()})
 
     def start() -> Child:
         from actors.frontend.actor import FrontendActor
-        return FrontendActor(link.child_ctx(), config=fe, model_config=model, instance=f"frontend-{host}")
+        from actors.frontend.readiness import PoolExpectation
+        pools = [PoolExpectation(name, p.role, p.replicas, p.host) for name, p in t.pools.items()]
+        return FrontendActor(link.child_ctx(), config=fe, model_config=model, instance=f"frontend-{host}",
+                             pools=pools, supervisor_hosts=roots, on_status=status)
 
     return [Node(ChildSpec("frontend", start, "permanent", t.supervisor.drain_timeout), "actor",
-                 f"FrontendActor http://{fe.http}/v1 (router {fe.router})")]
-
-
-def router_block_size(t: Topology) -> int:
-    """The KV block size the router hashes with: the serving pools' own setting (the router warns
-    loudly when a worker registers another one)."""
-    for pool in t.pools.values():
-        if pool.role != "decode" and "block_size" in pool.engine_args:
-            return int(pool.engine_args["block_size"])
-    return 16  # vLLM's and the mocker's default
-
-
-def _router_nodes(t: Topology, host: str, link: BusLink) -> list[Node]:
-    """The router micro service (route / index.stats / index.dump) beside a kv-routing frontend, for
-    the CLI, planners and other frontends. The frontend's hot path keeps its own in-process index."""
-    if not (t.frontend.enabled and t.frontend.router == "kv" and t.frontend.host == host):
-        return []
-    fe, bs, name = t.frontend, router_block_size(t), t.model.name if t.model else ""
-
-    def start() -> Child:
-        from actors.router.cost import RouterConfig
-        from actors.router.service import RouterService
-        cfg = RouterConfig(block_size=bs, prefill_load_scale=fe.prefill_load_scale,
-                           temperature=fe.router_temperature, busy_threshold=fe.busy_threshold)
-        return RouterService(link.child_ctx(), config=cfg, model=name, instance=f"router-{host}")
-
-    return [Node(ChildSpec("router", start, "permanent", t.supervisor.drain_timeout), "actor",
-                 f"RouterService (KV index, block size {bs})")]
+                 f"FrontendActor http://{fe.http}/v1 (router {fe.router}"
+                 + (f"; KV router endpoints on {t.namespace}.router.*)" if fe.router == "kv" else ")"))]
 
 
 def _planner_nodes(t: Topology, host: str, link: BusLink) -> list[Node]:
@@ -310,6 +298,11 @@ def pending_hooks(t: Topology, host: str) -> list[str]:
 def describe_plan(plan: HostPlan, t: Topology) -> list[str]:
     s = plan.supervisor
     lines = [f"host {plan.host}: supervisor {plan.name} ({_sup_flags(s)})"]
+    workers = sum(n.spec.parallel for n in plan.children)
+    if workers:
+        first = ", ".join(n.spec.id for n in plan.children if not n.spec.parallel)
+        lines.append(f"  {workers} worker(s) start in parallel, at most {s.start_concurrency} at once"
+                     + (f", once {first} are up" if first else ""))
     lines += _describe_nodes(plan.children, "  ")
     for m in pending_hooks(t, plan.host):
         lines.append(f"  ! {m}")

@@ -2,7 +2,9 @@
 
 It watches the registry (ns-instances, ns-models, ns-loras) into a WorkerSet, serves HTTP on
 ``FrontendConfig.http`` and registers a micro service (``nats micro info frontend``) whose
-``status`` endpoint reports what it sees, plus an instance record in ns-instances.
+``status`` endpoint reports what it sees, plus an instance record in ns-instances. With the ``kv``
+router it also serves ``ns.router.*`` (route, finish, index.stats, index.dump: actors.router.service)
+over its own in-process router, the only KV router of the process.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from typing import Any, ClassVar
 from aiohttp import web
 
 from actors.base import Actor, Endpoint
+from actors.router.service import RouterEndpoints, RouterState
+from bus import rpc
 from bus.context import BusContext
 from bus.registry import Registry
 from supervisors.topology import FrontendConfig, ModelConfig
 
 from .app import FrontendApp
 from .client import WorkerClient
+from .confirm import InstanceConfirmer
 from .discovery import WorkerSet, watch_into
 from .kv_routing import kv_factory
 from .metrics import FrontendMetrics
+from .readiness import PoolExpectation, Readiness
 from .routing import Router, make_router
 
 log = logging.getLogger(__name__)
@@ -41,14 +47,25 @@ class FrontendActor(Actor):
     def __init__(self, bus: BusContext, *, config: FrontendConfig | None = None,
                  model_config: ModelConfig | None = None, instance: str | None = None,
                  kv_factory: Callable[[WorkerSet, BusContext], Router] | None = None,
-                 registry_ttl: float | None = None, **kw: Any) -> None:
+                 registry_ttl: float | None = None, pools: list[PoolExpectation] | None = None,
+                 supervisor_hosts: list[str] | None = None, on_status: Callable[[str], None] | None = None,
+                 **kw: Any) -> None:
         self.config = config or FrontendConfig()
         self.model_config = model_config
         super().__init__(bus, instance=instance, role="frontend",
                          model=model_config.name if model_config else "", **kw)
         if registry_ttl is not None:
             self.registry_ttl = registry_ttl
-        self.workers = WorkerSet()
+        decode_only = model_config.allow_decode_only if model_config is not None else True
+        self.workers = WorkerSet(verify=True, decode_only=lambda _m: decode_only)
+        self.readiness = Readiness(model_config.name if model_config else None, pools or [],
+                                   decode_fallback=decode_only)
+        # roots whose children views say what a missing worker is doing (one per host)
+        self.supervisor_hosts = supervisor_hosts or []
+        self.on_status = on_status
+        self._children: tuple[float, dict[str, dict[str, Any]]] = (0.0, {})
+        self._last_ready: bool | None = None
+        self._confirmer: InstanceConfirmer | None = None
         self.metrics = FrontendMetrics()
         self._kv_factory = kv_factory
         self._router: Router | None = None
@@ -59,8 +76,15 @@ class FrontendActor(Actor):
 
     # --- actor hooks -----------------------------------------------------------------------------------
     def endpoints(self) -> list[Endpoint]:
-        return [Endpoint("status", self.bus.subjects.actor(self.kind, self.instance, "status"),
-                         self._status, queue_group=None, bounded=False)]
+        eps = [Endpoint("status", self.bus.subjects.actor(self.kind, self.instance, "status"),
+                        self._status, queue_group=None, bounded=False)]
+        if self.config.router == "kv":  # ns.router.*: this process's one KV router, on the bus
+            eps += RouterEndpoints(self._kv_router_state).endpoints(self.bus.subjects)
+        return eps
+
+    def _kv_router_state(self) -> RouterState | None:
+        current = getattr(self._router, "current", None)
+        return current() if current is not None else None
 
     async def _status(self, req: Any, headers: Any) -> dict[str, Any]:
         return {"instance": self.instance, "http": self.config.http, "port": self.port,
@@ -80,13 +104,20 @@ class FrontendActor(Actor):
     async def on_start(self) -> None:
         ws = self.workers
         subj = self.bus.subjects
-        for bucket, put, delete in ((subj.bucket_instances, ws.put_instance, ws.delete_instance),
-                                    (subj.bucket_models, ws.put_model, ws.delete_model),
+        instances = Registry(self.bus.js, subj.bucket_instances, self.registry_ttl)
+        await instances.ensure()
+        self._confirmer = InstanceConfirmer(self.bus, ws, instances)
+        watches: list[tuple[Registry, Callable[[str, bytes], Any], Callable[[str], None]]] = [
+            (instances, self._confirmer.put, self._confirmer.delete)]
+        for bucket, put, delete in ((subj.bucket_models, ws.put_model, ws.delete_model),
                                     (subj.bucket_loras, ws.put_lora, ws.delete_lora)):
             reg = Registry(self.bus.js, bucket, self.registry_ttl)
             await reg.ensure()
+            watches.append((reg, put, delete))
+        for reg, put, delete in watches:
             self._watchers.append(asyncio.create_task(self._watch(reg, put, delete),
-                                                      name=f"frontend-watch-{bucket}"))
+                                                      name=f"frontend-watch-{reg.bucket}"))
+        ws.listeners.append(self._readiness_changed)
         factory = self._kv_factory
         if factory is None and self.config.router == "kv":
             factory = kv_factory(self.config, self.model_config.name if self.model_config else None)
@@ -95,7 +126,7 @@ class FrontendActor(Actor):
         self._router = router
         client = WorkerClient(self.bus.nc, self.config.stall_timeout)
         self.app = FrontendApp(workers=ws, router=router, opener=client.stream, config=self.config,
-                               model_config=self.model_config, metrics=self.metrics)
+                               model_config=self.model_config, metrics=self.metrics, health=self.health)
         self._runner = web.AppRunner(self.app.build(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         host, port = split_hostport(self.config.http)
@@ -126,6 +157,55 @@ class FrontendActor(Actor):
             t.cancel()
         await asyncio.gather(*self._watchers, return_exceptions=True)
         self._watchers.clear()
+        if self._confirmer is not None:
+            await self._confirmer.close()
+
+    # --- readiness ------------------------------------------------------------------------------------
+    async def health(self) -> tuple[bool, dict[str, Any]]:
+        """/health: readiness from the registry, and what each missing worker is doing from the
+        supervisors (asked only while something is missing; cached for a second)."""
+        ready, body = self.readiness.evaluate(self.workers, self._children[1])
+        if any(p["missing"] for p in body.get("pools", {}).values()):
+            await self._refresh_children()
+            ready, body = self.readiness.evaluate(self.workers, self._children[1])
+        return ready, body
+
+    async def _refresh_children(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if now - self._children[0] < 1.0:
+            return
+        views: dict[str, dict[str, Any]] = {}
+
+        async def ask(host: str) -> None:
+            try:
+                reply = await rpc.request(self.bus.nc, self.bus.subjects.supervisor(host, "children"), {},
+                                          timeout=0.5)
+            except Exception as e:  # noqa: BLE001 - a missing view only makes the body less precise
+                log.debug("children of supervisor %s: %s", host, e)
+                return
+            for child in reply.get("children", []):
+                views[child["id"]] = child
+
+        await asyncio.gather(*(ask(h) for h in self.supervisor_hosts))
+        self._children = (now, views)
+
+    def _readiness_changed(self) -> None:
+        """Log (and report as sd_notify STATUS=) each change between serving and not serving."""
+        ready, body = self.readiness.evaluate(self.workers, self._children[1])
+        if ready == self._last_ready:
+            return
+        self._last_ready = ready
+        counts = ", ".join(f"{n} {p['ready']}/{p['expected']}" for n, p in body.get("pools", {}).items())
+        if ready:
+            text = f"serving {', '.join(body['models']) or 'nothing'} (ready workers: {counts or 'n/a'})"
+            if body.get("decode_fallback"):
+                text += "; decode-only fallback allowed when no prefill worker is ready"
+            log.info("frontend %s: %s", self.instance, text)
+        else:
+            text = f"not ready: {body['status']} (ready workers: {counts or 'none'})"
+            (log.warning if body["status"] == "unhealthy" else log.info)("frontend %s: %s", self.instance, text)
+        if self.on_status is not None:
+            self.on_status(text)
 
     async def _watch(self, reg: Registry, put: Callable[[str, bytes], None],
                      delete: Callable[[str], None]) -> None:

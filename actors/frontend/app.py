@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -56,15 +57,23 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     return web.Response(body=encode_json(obj), status=status, content_type=_JSON, headers=headers)
 
 
+# A 503 is always temporary here (starting, restarting, no worker free): say when to try again.
+RETRY_AFTER_S = "1"
+
+
 def error_response(err: ActorError) -> web.Response:
-    return web.Response(body=error_body(err), status=err.code, content_type=_JSON)
+    headers = {"Retry-After": RETRY_AFTER_S} if err.code == 503 else None
+    return web.Response(body=error_body(err), status=err.code, content_type=_JSON, headers=headers)
 
 
 class FrontendApp:
     def __init__(self, *, workers: WorkerSet, router: Router, opener: Opener, config: FrontendConfig,
                  model_config: ModelConfig | None = None, metrics: FrontendMetrics | None = None,
-                 preprocessors: PreprocessorCache | None = None) -> None:
+                 preprocessors: PreprocessorCache | None = None,
+                 health: Callable[[], Awaitable[tuple[bool, dict[str, Any]]]] | None = None) -> None:
         self.workers = workers
+        self._health = health
+        self._expected = frozenset([model_config.name]) if model_config is not None else frozenset()
         self.router = router
         self.opener = opener
         self.config = config
@@ -158,6 +167,10 @@ class FrontendApp:
     async def models(self, request: web.Request) -> web.Response:
         created = now()
         data = []
+        if self._health is not None and not (await self._health())[0]:
+            # /health, /v1/models and READY=1 are three views of one fact: while the deployment is
+            # not ready, nothing is listed (a request that can be served is still served)
+            return _json({"object": "list", "data": data})
         for name, entry in sorted(self.workers.models.items()):
             data.append({"id": name, "object": "model", "created": created, "owned_by": "vllm-actors",
                          "root": entry.card.model_path, "parent": None,
@@ -170,12 +183,15 @@ class FrontendApp:
         return _json({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
-        ready = self.workers.ready_instances()
-        body = {"status": "healthy" if ready else "unhealthy",
-                "instances": [{"instance": w.instance, "model": w.model, "pool": w.pool, "role": w.role,
-                               "subject": w.subject} for w in ready],
-                "models": sorted(self.workers.models)}
-        return _json(body, status=200 if ready else 503)
+        """Readiness: 200 only while the deployment can serve (actors.frontend.readiness)."""
+        if self._health is not None:
+            ready, body = await self._health()
+        else:
+            ready = bool(self.workers.models)
+            body = {"status": "healthy" if ready else "starting", "models": sorted(self.workers.models),
+                    "instances": [{"instance": w.instance, "model": w.model, "pool": w.pool, "role": w.role,
+                                   "subject": w.subject} for w in self.workers.ready_instances()]}
+        return _json(body, status=200 if ready else 503, headers=None if ready else {"Retry-After": RETRY_AFTER_S})
 
     async def live(self, request: web.Request) -> web.Response:
         return _json({"status": "live"})
@@ -203,7 +219,7 @@ class FrontendApp:
         status = 500
         try:
             req = parse_chat(body) if chat else parse_completion(body)
-            entry, lora, name = resolve(self.workers, req.model)
+            entry, lora, name = resolve(self.workers, req.model, self._expected)
             label = entry.name
             m.queued.labels(label).inc()
             try:

@@ -1,9 +1,19 @@
 """Live worker sets per model and pool, from the registry buckets.
 
 ``WorkerSet`` is the logic (no NATS): it applies registry puts/deletes of ns-instances, ns-models
-and ns-loras and answers "which ready workers serve model M in role R". ``watch_registry`` is the
+and ns-loras and answers "which ready workers serve model M in role R". ``watch_into`` is the
 transport: it feeds a WorkerSet from ``bus.registry.Registry.watch()``. Only instances whose status
 is "ready" are ever offered: expired (deleted), sleeping and draining ones are not.
+
+Nothing in the buckets is believed on its own. A bucket can outlive the processes that wrote it (a
+deployment SIGKILLed and started again within the TTL, an external NATS), so:
+
+- with ``verify=True`` an instance record is offered only once its instance has answered on the bus
+  (the transport calls ``confirm``; a record whose instance does not answer is a ghost: ``delete``);
+- model cards and LoRA placements are tied to live instances: ``models`` lists a model only while a
+  request for it can be served now (a ready agg worker, or a ready decode worker plus a ready
+  prefill worker unless decode-only fallback is allowed for it), and a LoRA only while a ready
+  instance holds it. Cards of pools with no live instance are kept but never shown.
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ class Worker:
 
 @dataclass
 class ModelEntry:
-    """A served model: its cards by pool (all pools share the tokenizer and context length)."""
+    """A served model: the cards of its live pools (all pools share the tokenizer and context
+    length)."""
 
     name: str
     cards: dict[str, ModelCard] = field(default_factory=dict)
@@ -55,40 +66,62 @@ class ModelEntry:
 
 
 class WorkerSet:
-    """Registry state → routable workers. Listeners are called after every change."""
+    """Registry state → routable workers. Listeners are called after every change.
 
-    def __init__(self) -> None:
+    ``decode_only(model)`` says whether a disaggregated model may be served by decode workers
+    alone (the topology's ``model.allow_decode_only``); without it decode-only is allowed.
+    """
+
+    def __init__(self, *, verify: bool = False, decode_only: Callable[[str], bool] | None = None) -> None:
+        self.verify = verify
+        self.decode_only = decode_only or (lambda _model: True)
         self._records: dict[str, InstanceRecord] = {}
-        self.models: dict[str, ModelEntry] = {}
-        self.loras: dict[str, dict[str, Any]] = {}  # lora name → {"model", "instances": set}
+        self._confirmed: set[tuple[str, float]] = set()  # (instance, started_at) that answered
+        self._cards: dict[str, ModelCard] = {}  # registry key → card (any pool, live or not)
+        self.models: dict[str, ModelEntry] = {}  # servable now (derived)
         self._lora_keys: dict[str, tuple[str, str]] = {}  # registry key → (lora name, instance)
+        self._lora_model: dict[str, str | None] = {}  # lora name → base model
+        self.loras: dict[str, dict[str, Any]] = {}  # lora name → {"model", "instances"} (derived: live)
         self._by_role: dict[tuple[str, str], list[Worker]] = {}
         self.listeners: list[Callable[[], None]] = []
 
     # --- registry updates ----------------------------------------------------------------------
-    def put_instance(self, key: str, value: bytes | InstanceRecord) -> None:
+    def put_instance(self, key: str, value: bytes | InstanceRecord) -> bool:
+        """Apply a record; True when its instance still has to be confirmed live (``confirm``)."""
         rec = value if isinstance(value, InstanceRecord) else msgspec.json.decode(value, type=InstanceRecord)
         self._records[key] = rec
         self._rebuild()
+        return self.needs_confirmation(key)
+
+    def needs_confirmation(self, key: str) -> bool:
+        rec = self._records.get(key)
+        return (self.verify and rec is not None and rec.kind in GENERATE_KINDS
+                and (rec.instance, rec.started_at) not in self._confirmed)
+
+    def confirm(self, key: str, started_at: float) -> None:
+        """The instance of ``key`` (incarnation ``started_at``) answered on the bus."""
+        rec = self._records.get(key)
+        if rec is not None and rec.started_at == started_at:
+            self._confirmed.add((rec.instance, started_at))
+            self._rebuild()
+
+    def record(self, key: str) -> InstanceRecord | None:
+        return self._records.get(key)
 
     def delete_instance(self, key: str) -> None:
-        if self._records.pop(key, None) is not None:
+        rec = self._records.pop(key, None)
+        if rec is not None:
+            self._confirmed.discard((rec.instance, rec.started_at))
             self._rebuild()
 
     def put_model(self, key: str, value: bytes | ModelCard) -> None:
         card = value if isinstance(value, ModelCard) else msgspec.json.decode(value, type=ModelCard)
-        entry = self.models.setdefault(card.served_model_name, ModelEntry(card.served_model_name))
-        entry.cards[card.pool] = card
-        self._notify()
+        self._cards[key] = card
+        self._rebuild()
 
     def delete_model(self, key: str) -> None:
-        for name, entry in list(self.models.items()):
-            for pool in list(entry.cards):
-                if f"{name}.{pool}" == key:
-                    del entry.cards[pool]
-            if not entry.cards:
-                del self.models[name]
-        self._notify()
+        if self._cards.pop(key, None) is not None:
+            self._rebuild()
 
     def put_lora(self, key: str, value: bytes | dict[str, Any]) -> None:
         """ns-loras: key ``<worker instance>.<lora_name>``, value a LoraRecord (lora_name, instance, model)."""
@@ -96,24 +129,13 @@ class WorkerSet:
         name = v.get("lora_name") or key.split(".", 1)[-1]
         inst = v.get("instance") or key.split(".", 1)[0]
         self._lora_keys[key] = (name, inst)
-        entry = self.loras.setdefault(name, {"model": v.get("model"), "instances": set()})
-        if v.get("model"):
-            entry["model"] = v["model"]
-        entry["instances"].add(inst)
-        self._notify()
+        if v.get("model") or name not in self._lora_model:
+            self._lora_model[name] = v.get("model")
+        self._rebuild()
 
     def delete_lora(self, key: str) -> None:
-        found = self._lora_keys.pop(key, None)
-        if found is None:
-            return
-        name, inst = found
-        entry = self.loras.get(name)
-        if entry is not None:
-            if not any(v == (name, inst) for v in self._lora_keys.values()):
-                entry["instances"].discard(inst)
-            if not entry["instances"]:
-                del self.loras[name]
-        self._notify()
+        if self._lora_keys.pop(key, None) is not None:
+            self._rebuild()
 
     # --- queries -------------------------------------------------------------------------------
     def workers(self, model: str, role: str) -> list[Worker]:
@@ -125,6 +147,14 @@ class WorkerSet:
 
     def ready_instances(self) -> list[Worker]:
         return [w for ws in self._by_role.values() for w in ws]
+
+    def records(self) -> list[InstanceRecord]:
+        """Every instance record of a worker kind (any status, confirmed or not)."""
+        return [r for r in self._records.values() if r.kind in GENERATE_KINDS]
+
+    def known_model(self, name: str) -> bool:
+        """A card names this model (it may not be servable right now)."""
+        return any(c.served_model_name == name for c in self._cards.values())
 
     def resolve_model(self, name: str) -> tuple[ModelEntry, str | None] | None:
         """Model name → (base model entry, lora name or None)."""
@@ -150,6 +180,8 @@ class WorkerSet:
         for rec in self._records.values():
             if rec.status != "ready" or not rec.generate_subject or rec.kind not in GENERATE_KINDS:
                 continue
+            if self.verify and (rec.instance, rec.started_at) not in self._confirmed:
+                continue
             w = Worker(instance=rec.instance, model=rec.model, pool=rec.pool or rec.role, role=rec.role,
                        subject=rec.generate_subject, block_size=rec.block_size, host=rec.host,
                        started_at=rec.started_at)
@@ -157,7 +189,33 @@ class WorkerSet:
         for ws in by_role.values():
             ws.sort(key=lambda w: w.instance)  # stable order for round robin
         self._by_role = by_role
+        self.models = self._servable(by_role)
+        live = {w.instance for ws in by_role.values() for w in ws}
+        loras: dict[str, dict[str, Any]] = {}
+        for name, inst in self._lora_keys.values():
+            if inst in live:
+                loras.setdefault(name, {"model": self._lora_model.get(name), "instances": set()})
+                loras[name]["instances"].add(inst)
+        self.loras = loras
         self._notify()
+
+    def _servable(self, by_role: dict[tuple[str, str], list[Worker]]) -> dict[str, ModelEntry]:
+        live_pools: dict[str, set[str]] = {}
+        for (model, _role), ws in by_role.items():
+            live_pools.setdefault(model, set()).update(w.pool for w in ws)
+        models: dict[str, ModelEntry] = {}
+        for card in self._cards.values():
+            name = card.served_model_name
+            if card.pool not in live_pools.get(name, ()):
+                continue  # a card outlives its pool's workers: only live pools count
+            models.setdefault(name, ModelEntry(name)).cards[card.pool] = card
+        for name in list(models):
+            agg = by_role.get((name, "agg"))
+            decode = by_role.get((name, "decode"))
+            prefill = by_role.get((name, "prefill"))
+            if not (agg or (decode and (prefill or self.decode_only(name)))):
+                del models[name]  # e.g. prefill workers only, or decode without its prefill pool
+        return models
 
     def _notify(self) -> None:
         for fn in self.listeners:

@@ -98,31 +98,30 @@ class CompletionFlow:
         return pool
 
     async def _prefill(self) -> PrefillResult | None:
+        """Run the prompt on a prefill worker. A prefill worker that fails is replaced by another
+        (up to the migration limit); when none is left, decode-only if allowed, else the error."""
         spec, st = self.spec, self.state
-        pool = self._pool("prefill")
-        if not pool:
-            if spec.allow_decode_only:
-                return None
-            raise Overloaded(f"no prefill worker for model {spec.model.name} and decode-only is off")
-        worker = self.router.choose(pool, spec.token_ids, st.failed, request_id=f"{spec.request_id}-p")
-        sampling = msgspec.structs.replace(spec.sampling, max_tokens=1, min_tokens=0, logprobs=None,
-                                           stop=[], structured=None)
-        req = GenerateRequest(request_id=f"{spec.request_id}-p", token_ids=spec.token_ids,
-                              prompt=spec.prompt, sampling=sampling, lora_name=spec.lora)
-        last: GenerateChunk | None = None
-        try:
-            call = self.opener(worker, req)
+        failed: set[str] = set()
+        while True:
+            pool = [w for w in self._pool("prefill") if w.instance not in failed]
+            if not pool:
+                if spec.allow_decode_only:
+                    if failed:
+                        log.warning("prefill failed on %s; falling back to decode-only", ", ".join(sorted(failed)))
+                    return None
+                raise Overloaded(f"no prefill worker left for model {spec.model.name} and decode-only "
+                                 f"fallback is off (model.allow_decode_only)")
+            worker = self.router.choose(pool, spec.token_ids, failed, request_id=f"{spec.request_id}-p")
             try:
-                async for chunk in call:
-                    last = chunk
-            finally:
-                self.router.finished(f"{spec.request_id}-p")
-                await call.aclose()
-        except MIGRATABLE as e:
-            if spec.allow_decode_only:
-                log.warning("prefill on %s failed (%s); falling back to decode-only", worker.instance, e)
-                return None
-            raise
+                last, call = await self._prefill_on(worker)
+                break
+            except MIGRATABLE as e:
+                failed.add(worker.instance)
+                if len(failed) > spec.migration_limit:
+                    if spec.allow_decode_only:
+                        return None
+                    raise
+                log.warning("prefill on %s failed (%s); trying another prefill worker", worker.instance, e)
         params = None
         if last is not None:
             if last.disaggregated_params is not None:
@@ -137,6 +136,22 @@ class CompletionFlow:
         return PrefillResult(kv_transfer_params=params, prefill_instance=inst,
                              prompt_tokens=usage.prompt_tokens if usage else None,
                              cached_tokens=usage.cached_tokens if usage else None)
+
+    async def _prefill_on(self, worker: Worker) -> tuple[GenerateChunk | None, WorkerStream]:
+        spec = self.spec
+        sampling = msgspec.structs.replace(spec.sampling, max_tokens=1, min_tokens=0, logprobs=None,
+                                           stop=[], structured=None)
+        req = GenerateRequest(request_id=f"{spec.request_id}-p", token_ids=spec.token_ids,
+                              prompt=spec.prompt, sampling=sampling, lora_name=spec.lora)
+        last: GenerateChunk | None = None
+        call = self.opener(worker, req)
+        try:
+            async for chunk in call:
+                last = chunk
+        finally:
+            self.router.finished(f"{spec.request_id}-p")
+            await call.aclose()
+        return last, call
 
     # --- the stream ----------------------------------------------------------------------------------
     async def chunks(self) -> AsyncIterator[GenerateChunk]:

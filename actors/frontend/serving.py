@@ -41,14 +41,26 @@ class Plan:
     echo_texts: list[str] = field(default_factory=list)
 
 
-def resolve(workers: WorkerSet, name: str | None) -> tuple[ModelEntry, str | None, str]:
+class NotReady(Overloaded):
+    """The model is part of this deployment but cannot be served right now (starting, restarting,
+    asleep): 503 with Retry-After, never a 404."""
+
+
+def resolve(workers: WorkerSet, name: str | None, expected: frozenset[str] = frozenset()
+            ) -> tuple[ModelEntry, str | None, str]:
+    """``expected``: models this deployment serves (the topology's), which answer 503 while no
+    worker can serve them instead of 404."""
     if not name:
         if len(workers.models) == 1:
             entry = next(iter(workers.models.values()))
             return entry, None, entry.name
+        if not workers.models and expected:
+            raise NotReady(f"model {', '.join(sorted(expected))} is not ready yet: no worker can serve it now")
         raise BadRequest("model is required")
     found = workers.resolve_model(name)
     if found is None:
+        if name in expected or workers.known_model(name):
+            raise NotReady(f"model {name} is not ready yet: no worker can serve it now (see /health)")
         err = NotFound(f"The model `{name}` does not exist.")
         err.param = "model"  # type: ignore[attr-defined]
         raise err

@@ -37,10 +37,10 @@ from actors.worker.contract import (
     SleepRequest,
     StatusReply,
 )
+from actors.worker.health import consume_probe, probe_request
 from actors.worker.metrics import WorkerMetrics, load_reports
 from actors.worker.serving import EngineService
 from actors.worker.sleep import SleepController
-from actors.worker.health import consume_probe, probe_request
 from bus import codec, rpc
 from bus import subjects as S
 from bus.errors import BadRequest, EngineDead, NotFound

@@ -139,6 +139,43 @@ class Deployment:
             time.sleep(0.25)
         pytest.fail(f"deployment not ready after {timeout}s (last /health: {last}):\n{self.output()}")
 
+    def wait_first_ready(self, timeout: float, requests: int = 8) -> dict[str, Any]:
+        """Watch start-up as a client would (``/health`` and ``/v1/models`` polled every 20 ms, a chat
+        request now and then) and, the first moment either says the model can be served, send
+        ``requests`` requests at once (half chat, half completions). Checks the truth of readiness:
+        before that moment /health is 503 with a per-pool body and requests get 503 + Retry-After
+        (never 404 or 500); at that moment every request succeeds. Returns what was seen."""
+        assert self.proc is not None
+        end = time.monotonic() + timeout
+        seen: dict[str, Any] = {"early": [], "health_503": 0}
+        n = 0
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                pytest.fail(f"supervisor exited with {self.proc.returncode}:\n{self.output()}")
+            n += 1
+            try:
+                status, body = self.health()
+                _, models = http_json(f"{self.url}/v1/models")
+            except (OSError, ValueError):
+                time.sleep(0.02)
+                continue
+            listed = self.model in [m["id"] for m in models.get("data", [])]
+            if status == 200 or listed:
+                seen["trigger"] = "health" if status == 200 else "models"
+                seen["results"] = fire(self.url, self.model, requests)
+                bad = [r for r in seen["results"] if r[0] != 200]
+                assert not bad, f"requests sent the moment the deployment said ready failed: {bad}"
+                return seen
+            assert status == 503, (status, body)
+            assert "pools" in body and body["status"] in ("starting", "unhealthy"), body
+            seen["health_503"] += 1
+            if n % 10 == 0:  # a client that does not wait for /health
+                code, headers, text = post(self.url + "/v1/chat/completions", chat_body(self.model))
+                assert code == 503 and headers.get("Retry-After"), (code, text)
+                seen["early"].append(code)
+            time.sleep(0.02)
+        pytest.fail(f"deployment never ready in {timeout}s:\n{self.output()}")
+
     def wait_until(self, pred: Any, timeout: float, what: str) -> Any:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
@@ -181,12 +218,44 @@ class Deployment:
         return True
 
 
+def chat_body(model: str, max_tokens: int = 4) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": max_tokens}
+
+
+def post(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, dict[str, str], str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read().decode(errors="replace")
+
+
+def fire(url: str, model: str, n: int) -> list[tuple[int, str]]:
+    """``n`` requests at once (chat and completions alternating): (status, body head) each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> tuple[int, str]:
+        if i % 2:
+            code, _, text = post(f"{url}/v1/completions", {"model": model, "prompt": "hello", "max_tokens": 4})
+        else:
+            code, _, text = post(f"{url}/v1/chat/completions", chat_body(model))
+        return code, text[:300]
+
+    with ThreadPoolExecutor(n) as ex:
+        return list(ex.map(one, range(n)))
+
+
 def boot(tmp_path_factory: pytest.TempPathFactory, name: str, topology: str, *, ready: dict[str, int],
          timeout: float = 60.0, **kw: Any) -> Deployment:
+    """Start a deployment; the first moment it says it can serve, 8 requests sent at once must all
+    succeed (``Deployment.wait_first_ready``); then wait until ``ready`` instances per role are up."""
     tmp = tmp_path_factory.mktemp(name)
     d = Deployment(topology, tmp, namespace=f"e2e{name.replace('_', '')}{os.getpid()}", **kw)
     d.start()
     try:
+        if d.model:
+            d.wait_first_ready(timeout)
         d.wait_ready(ready, timeout)
     except BaseException:
         d.stop(20)

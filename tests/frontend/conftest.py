@@ -59,8 +59,14 @@ class ScriptedWorker(Actor):
         return self.bus.subjects.generate_instance(self.pool, self.instance)
 
     def endpoints(self) -> list[Endpoint]:
+        # stats: the worker verb a frontend asks to confirm a registry record is a live instance
         return [Endpoint("generate", self.subject, self.generate, request_type=GenerateRequest,
-                         streaming=True, queue_group=None)]
+                         streaming=True, queue_group=None),
+                Endpoint("stats", self.bus.subjects.worker(self.instance, "stats"), self._stats,
+                         queue_group=None, bounded=False)]
+
+    async def _stats(self, req: Any, headers: Any) -> dict[str, Any]:
+        return self._stats_data()
 
     def record(self) -> dict[str, Any]:
         rec = dict(super().record())  # type: ignore[arg-type]

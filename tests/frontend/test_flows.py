@@ -67,7 +67,10 @@ async def test_disaggregated_flow(deploy: Any) -> None:
 async def test_disagg_falls_back_to_decode_only(deploy: Any) -> None:
     prefill = await deploy.worker(role="prefill", pool="prefill")
     decode = await deploy.worker(role="decode", pool="decode")
-    await deploy.start_frontend()
+    # decode-only fallback is off unless the topology allows it (a disaggregated deployment is
+    # otherwise ready only with both pools)
+    await deploy.start_frontend(model_config=ModelConfig(name=MODEL, path=deploy.tiny_dir,
+                                                         allow_decode_only=True))
     await deploy.wait_ready(2)
     await prefill.stop(1.0)
     await until(lambda: not deploy.frontend.workers.workers(MODEL, "prefill"))

@@ -118,14 +118,72 @@ def test_worker_set_tracks_registry() -> None:
                      context_length=100, kv_block_size=16, total_kv_blocks=10)
     ws.put_model("m.agg", msgspec.json.encode(card))
     assert ws.resolve_model("m")[1] is None and not ws.models["m"].has_prefill_pool
+    ws.put_instance("w1", rec("w1"))  # back
     rec = LoraRecord(lora_name="ad", lora_id=1, path="/a", uri="file:///a", instance="w2", model="m")
     ws.put_lora("w2.ad", msgspec.json.encode(rec))
     ws.put_lora("w1.ad", msgspec.json.encode(msgspec.structs.replace(rec, instance="w1")))
+    ws.put_lora("gone.ad", msgspec.json.encode(msgspec.structs.replace(rec, instance="gone")))
     entry, lora = ws.resolve_model("ad")
+    # a placement on an instance that is not live (a dead run's record) is never offered
     assert entry.name == "m" and lora == "ad" and ws.lora_instances("ad") == {"w1", "w2"}
     ws.delete_lora("w2.ad")
     assert ws.lora_instances("ad") == {"w1"}
+    ws.delete_instance("w1")
+    assert ws.lora_instances("ad") == set()  # its only holder expired
     ws.delete_lora("w1.ad")
     assert ws.resolve_model("ad") is None
     ws.delete_model("m.agg")
     assert ws.resolve_model("m") is None and calls
+
+
+def _card(pool: str, role: str, name: str = "m") -> bytes:
+    return msgspec.json.encode(ModelCard(served_model_name=name, pool=pool, role=role, model_path="/x",
+                                         tokenizer_path="/x", context_length=100, kv_block_size=16,
+                                         total_kv_blocks=10))
+
+
+def _rec(i: str, role: str, started_at: float = 1.0) -> bytes:
+    return msgspec.json.encode(InstanceRecord(instance=i, kind="engine", role=role, model="m", host="h", pid=1,
+                                              pool=role, generate_subject=f"ns.{role}.generate.{i}",
+                                              started_at=started_at))
+
+
+def test_models_are_listed_only_while_servable() -> None:
+    """A card alone lists nothing; a disaggregated model needs decode and prefill (unless decode-only
+    is allowed); cards of pools whose workers are gone stop counting."""
+    allow: dict[str, bool] = {"m": False}
+    ws = WorkerSet(decode_only=lambda m: allow[m])
+    ws.put_model("m.decode", _card("decode", "decode"))
+    ws.put_model("m.prefill", _card("prefill", "prefill"))
+    assert ws.models == {} and ws.known_model("m")
+    ws.put_instance("p", _rec("p", "prefill"))
+    assert ws.models == {}  # prefill alone cannot answer a client
+    ws.put_instance("d", _rec("d", "decode"))
+    assert set(ws.models) == {"m"} and ws.models["m"].has_prefill_pool
+    ws.delete_instance("p")
+    assert ws.models == {}  # decode without its prefill pool, fallback not allowed
+    allow["m"] = True
+    ws.put_instance("d", _rec("d", "decode", 2.0))
+    assert set(ws.models) == {"m"} and not ws.models["m"].has_prefill_pool
+    # an agg deployment after a disaggregated one: the old cards do not make it "disaggregated"
+    ws2 = WorkerSet()
+    ws2.put_model("m.prefill", _card("prefill", "prefill"))
+    ws2.put_model("m.agg", _card("agg", "agg"))
+    ws2.put_instance("a", _rec("a", "agg"))
+    assert set(ws2.models["m"].cards) == {"agg"} and not ws2.models["m"].has_prefill_pool
+
+
+def test_unconfirmed_instances_are_not_offered() -> None:
+    """With verify on, a record is routable only once its instance answered (ghosts never are), and
+    a new incarnation (restart in place: same id, new started_at) needs confirming again."""
+    ws = WorkerSet(verify=True)
+    ws.put_model("m.agg", _card("agg", "agg"))
+    assert ws.put_instance("a", _rec("a", "agg")) is True
+    assert ws.serving_workers("m") == [] and ws.models == {}
+    ws.confirm("a", 0.5)  # an answer for another incarnation does not count
+    assert ws.serving_workers("m") == []
+    ws.confirm("a", 1.0)
+    assert [w.instance for w in ws.serving_workers("m")] == ["a"] and set(ws.models) == {"m"}
+    assert ws.put_instance("a", _rec("a", "agg")) is False  # heartbeat of the same incarnation
+    assert ws.put_instance("a", _rec("a", "agg", 2.0)) is True
+    assert ws.serving_workers("m") == []

@@ -1,0 +1,95 @@
+"""Confirms registry records against the bus: a worker is routed to only once it has answered.
+
+A JetStream bucket outlives the processes that wrote it: a deployment SIGKILLed and started again
+within the registry TTL, or an external NATS whose buckets outlive deployments, shows records of
+instances that no longer exist ("ghosts"). Each new record (instance + incarnation) is therefore
+probed with a request to its instance's ``stats`` verb: an answer confirms it
+(``WorkerSet.confirm``); "no responders" (NATS answers at once when nobody subscribes) marks it a
+ghost that is never routed to, probed again while its record lasts, and purged from the bucket after
+``purge_after`` failed probes so other watchers (and ``nats kv ls``) stop seeing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from actors.worker import contract as C
+from bus import rpc
+from bus.context import BusContext
+from bus.errors import Unavailable
+from bus.registry import Registry
+
+from .discovery import WorkerSet
+
+log = logging.getLogger(__name__)
+
+
+class InstanceConfirmer:
+    def __init__(self, bus: BusContext, workers: WorkerSet, registry: Registry, *, timeout: float = 2.0,
+                 retry: float = 1.0, purge_after: int = 3) -> None:
+        self.bus = bus
+        self.workers = workers
+        self.registry = registry
+        self.timeout = timeout
+        self.retry = retry
+        self.purge_after = purge_after
+        self._probing: dict[str, asyncio.Task[None]] = {}
+        self.ghosts_purged = 0
+
+    def put(self, key: str, value: bytes) -> None:
+        """Registry put (a ``watch_into`` callback): apply it, probe a new incarnation."""
+        if self.workers.put_instance(key, value) and key not in self._probing:
+            self._probing[key] = asyncio.create_task(self._confirm(key), name=f"confirm-{key}")
+
+    def delete(self, key: str) -> None:
+        self.workers.delete_instance(key)
+        task = self._probing.pop(key, None)
+        if task is not None:
+            task.cancel()
+
+    async def close(self) -> None:
+        tasks = list(self._probing.values())
+        self._probing.clear()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _confirm(self, key: str) -> None:
+        misses = 0
+        try:
+            while self.workers.needs_confirmation(key):
+                rec = self.workers.record(key)
+                if rec is None:
+                    return
+                subject = self.bus.subjects.worker(rec.instance, C.VERB_STATS)
+                try:
+                    await rpc.request(self.bus.nc, subject, {}, timeout=self.timeout)
+                except Unavailable:
+                    misses += 1
+                    log.info("instance %s in the registry does not answer on the bus (%d/%d): not routed",
+                             rec.instance, misses, self.purge_after)
+                    if misses >= self.purge_after and self.workers.record(key) is rec:
+                        await self._purge(key, rec.instance)
+                        return
+                except Exception as e:  # noqa: BLE001 - a timeout (busy) or a reconnect: ask again
+                    log.debug("confirming %s: %s", rec.instance, e)
+                else:
+                    self.workers.confirm(key, rec.started_at)
+                    log.debug("instance %s confirmed on the bus", rec.instance)
+                    if not self.workers.needs_confirmation(key):
+                        return
+                    continue  # a newer incarnation arrived meanwhile: probe that one
+                await asyncio.sleep(self.retry)
+        finally:
+            if self._probing.get(key) is asyncio.current_task():
+                del self._probing[key]
+
+    async def _purge(self, key: str, instance: str) -> None:
+        log.warning("purging registry record of %s: it never answered on the bus (a dead run's record)",
+                    instance)
+        self.ghosts_purged += 1
+        self.workers.delete_instance(key)
+        with contextlib.suppress(Exception):
+            await self.registry.kv.purge(key)

@@ -1,0 +1,133 @@
+"""Deployment readiness, as the frontend's ``/health`` reports it (logic only, no NATS or HTTP).
+
+Ready means serving: every pool of the topology has at least its minimum of ready workers (live,
+confirmed on the bus, awake), so a request sent now is served. Before that the deployment is
+``starting``; once it has been ready it stays ready until a pool the model needs loses all its
+workers (``unhealthy``): a single replica restarting in a pool of several does not take the
+deployment out of a load balancer, an empty pool does.
+
+A disaggregated model needs its prefill pools too, unless the topology allows decode-only
+fallback (``model.allow_decode_only``): then prefill pools are reported but not required, and the
+body says ``decode_fallback: true``.
+
+For each missing replica the body says what it is doing, from the supervisors' children views
+(``starting``/``loading``/``restarting``/``stopped``) and the registry (``sleeping``,
+``registering``: the process runs but its engine is not registered yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from actors.worker.contract import InstanceRecord
+
+from .discovery import WorkerSet
+
+# child ids of worker processes, as supervisors.tree names them
+WORKER_CHILD = "worker-{pool}-{replica}"
+
+
+@dataclass(frozen=True)
+class PoolExpectation:
+    name: str
+    role: str  # agg | prefill | decode
+    replicas: int
+    host: str = "local"
+
+    @property
+    def minimum(self) -> int:
+        return self.replicas
+
+
+def _missing_state(child: dict[str, Any] | None, record: InstanceRecord | None) -> tuple[str, str]:
+    """(state, detail) of a replica that is not serving."""
+    if record is not None and record.status == "sleeping":
+        return "sleeping", "asleep (wake it with the worker's wake_up verb)"
+    if child is None:
+        return "unknown", "no supervisor reported this worker"
+    state = child.get("state", "")
+    status = str(child.get("status") or "")
+    reason = str(child.get("last_exit_reason") or "")
+    if state == "starting":
+        return ("loading" if "load" in status or "engine" in status else "starting"), status or "process starting"
+    if state == "restarting":
+        return "restarting", f"last exit: {reason}" if reason else "waiting out its backoff"
+    if state == "stopped":
+        return "stopped", reason or "stopped"
+    if state == "running":
+        if record is not None:
+            return "registering", f"registered as {record.status}; not confirmed on the bus yet"
+        return "registering", status or "process up; engine not registered yet"
+    return state or "unknown", status or reason
+
+
+class Readiness:
+    def __init__(self, model: str | None, pools: list[PoolExpectation], *, decode_fallback: bool) -> None:
+        self.model = model
+        self.pools = pools
+        disagg = any(p.role == "decode" for p in pools)
+        self.decode_fallback = decode_fallback and disagg
+        self.was_ready = False
+
+    def required(self, pool: PoolExpectation) -> bool:
+        return not (pool.role == "prefill" and self.decode_fallback)
+
+    def _missing(self, p: PoolExpectation, live: set[str], records: list[InstanceRecord],
+                 children: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """The replicas of ``p`` that are not serving, with what each is doing."""
+        mine = [r for r in records if r.pool == p.name]
+        views = {i: children.get(WORKER_CHILD.format(pool=p.name, replica=i)) for i in range(p.replicas)}
+        missing: list[dict[str, Any]] = []
+        if not any(views.values()):
+            # no supervisor view (e.g. another host's supervisor did not answer): count only
+            idle = [r for r in mine if r.instance not in live]
+            for i in range(max(0, p.replicas - len(live))):
+                rec = idle[i] if i < len(idle) else None
+                state, detail = _missing_state(None, rec)
+                missing.append({"replica": None, "state": state, "detail": detail})
+            return missing
+        for i, child in views.items():
+            pid = child.get("pid") if child else None
+            rec = next((r for r in mine if pid is not None and r.pid == pid), None)
+            if rec is not None and rec.instance in live:
+                continue
+            state, detail = _missing_state(child, rec)
+            missing.append({"replica": i, "child": WORKER_CHILD.format(pool=p.name, replica=i),
+                            "state": state, "detail": detail})
+        return missing
+
+    def evaluate(self, workers: WorkerSet, children: dict[str, dict[str, Any]] | None = None
+                 ) -> tuple[bool, dict[str, Any]]:
+        """(ready, /health body). ``children`` maps child id → supervisor child view (any host)."""
+        children = children or {}
+        ready_list = workers.ready_instances()
+        records = workers.records()
+        pools: dict[str, Any] = {}
+        full = True  # every pool at its minimum
+        none_empty = True  # no required pool without a ready worker
+        for p in self.pools:
+            live = [w for w in ready_list if w.pool == p.name and (self.model is None or w.model == self.model)]
+            missing = self._missing(p, {w.instance for w in live}, records, children)
+            pools[p.name] = {"role": p.role, "ready": len(live), "expected": p.replicas,
+                             "minimum": p.minimum, "required": self.required(p), "missing": missing}
+            if self.required(p):
+                full = full and len(live) >= p.minimum
+                none_empty = none_empty and len(live) > 0
+        if self.pools:
+            ready = (full or (self.was_ready and none_empty)) and (
+                self.model is None or self.model in workers.models)
+        else:  # no topology to compare with (a frontend built on its own): any servable model
+            ready = bool(workers.models)
+        status = "healthy" if ready else ("unhealthy" if self.was_ready else "starting")
+        self.was_ready = self.was_ready or ready
+        body: dict[str, Any] = {
+            "status": status,
+            "models": sorted(workers.models),
+            "pools": pools,
+            "instances": [{"instance": w.instance, "model": w.model, "pool": w.pool, "role": w.role,
+                           "subject": w.subject} for w in ready_list],
+        }
+        if self.decode_fallback:
+            body["decode_fallback"] = True
+        return ready, body
