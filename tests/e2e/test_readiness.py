@@ -25,7 +25,7 @@ import pytest
 
 from bus import rpc
 from bus.subjects import Subjects
-from tests.e2e.conftest import WORKER_HEADER, Deployment, http_json, shutdown
+from tests.e2e.conftest import WORKER_HEADER, Deployment, shutdown
 
 NS = "dynamo"  # the shipped topologies' namespace: what two users on one host both get
 
@@ -174,17 +174,7 @@ def test_kv_sessions_started_the_moment_the_model_is_listed_stay_on_one_worker(
     d = default_deployment(tmp_path / "kv", "mocker-kv.toml", home)
     started.append(d)
     d.start()
-    end = time.monotonic() + 60
-    while time.monotonic() < end:
-        try:
-            _, models = http_json(f"{d.url}/v1/models")
-            if "tiny" in [m["id"] for m in models["data"]]:
-                break
-        except OSError:
-            pass
-        time.sleep(0.02)
-    else:
-        pytest.fail(f"model never listed:\n{d.output()}")
+    d.wait_first_ready(60)  # the moment the model is listed: 8 requests at once, then the sessions
     workers = progressive_sessions(d.url, sessions=8, turns=4)
     split = [w for w in workers if len(set(w)) > 1]
     assert not split, f"sessions split over workers: {split}"

@@ -187,3 +187,38 @@ def test_unconfirmed_instances_are_not_offered() -> None:
     assert ws.put_instance("a", _rec("a", "agg")) is False  # heartbeat of the same incarnation
     assert ws.put_instance("a", _rec("a", "agg", 2.0)) is True
     assert ws.serving_workers("m") == []
+
+
+def test_readiness_waits_for_every_pool_then_holds_until_a_pool_is_empty() -> None:
+    from actors.frontend.readiness import PoolExpectation, Readiness
+
+    ws = WorkerSet()
+    ws.put_model("m.prefill", _card("prefill", "prefill"))
+    ws.put_model("m.decode", _card("decode", "decode"))
+    r = Readiness("m", [PoolExpectation("prefill", "prefill", 1), PoolExpectation("decode", "decode", 2)],
+                  decode_fallback=False)
+    children = {"worker-decode-0": {"id": "worker-decode-0", "state": "running", "pid": 1},
+                "worker-decode-1": {"id": "worker-decode-1", "state": "starting", "pid": 7,
+                                    "status": "engine loading"}}
+    ws.put_instance("p", _rec("p", "prefill"))
+    ws.put_instance("d0", _rec("d0", "decode"))
+    ready, body = r.evaluate(ws, children)
+    assert not ready and body["status"] == "starting"
+    decode = body["pools"]["decode"]
+    assert decode["ready"] == 1 and [(m["replica"], m["state"]) for m in decode["missing"]] == [(1, "loading")]
+    ws.put_instance("d1", _rec("d1", "decode"))
+    assert r.evaluate(ws)[0]
+    ws.delete_instance("d1")  # one replica restarting in a pool of two: still serving
+    assert r.evaluate(ws)[0]
+    ws.delete_instance("p")  # the prefill pool is empty and decode-only is not allowed
+    ready, body = r.evaluate(ws)
+    assert not ready and body["status"] == "unhealthy"
+
+    # with decode-only fallback the prefill pool is reported but not required
+    ws2 = WorkerSet()
+    ws2.put_model("m.decode", _card("decode", "decode"))
+    ws2.put_instance("d0", _rec("d0", "decode"))
+    r2 = Readiness("m", [PoolExpectation("prefill", "prefill", 1), PoolExpectation("decode", "decode", 1)],
+                   decode_fallback=True)
+    ready, body = r2.evaluate(ws2)
+    assert ready and body["decode_fallback"] and not body["pools"]["prefill"]["required"]
