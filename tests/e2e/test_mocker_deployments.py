@@ -334,12 +334,14 @@ class TestMockerDisagg:
             usage = list(r)[-1].usage if stream else r.usage
             assert usage.completion_tokens == 8
 
-    async def test_srv_ping_includes_router(self, disagg: Deployment) -> None:
+    async def test_srv_ping_and_the_frontends_router_endpoints(self, disagg: Deployment) -> None:
         nc = await nats.connect(disagg.bus_url)
         try:
             names = [s["name"] for s in await srv_ping(nc)]
+            stats = await nats_req(nc, f"{disagg.namespace}.router.index.stats", {})
         finally:
             await nc.close()
+        assert stats["ready"] is True and stats["block_size"] == 16, stats
         # the KV router's ns.router.* endpoints are the frontend's: no separate "router" service
         assert {"frontend", "engine", "kv_publisher", "health", "supervisor"} <= set(names), names
         assert "router" not in names
