@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 import struct
 import time
 from collections.abc import Callable
@@ -37,3 +38,16 @@ def listening_hosts(port: int) -> set[str]:
             raw = b"".join(struct.pack("=I", int(addr[i:i + 8], 16)) for i in range(0, len(addr), 8))
             found.add(str(ipaddress.ip_address(raw)))
     return found
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie is dead for our purposes)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -7,7 +7,6 @@ opens its gate, so "both began before either finished" is a fact, not a race.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from supervisors.process import ProcessChild
 from supervisors.supervisor import Supervisor
 from supervisors.topology_loader import TopologyError, topology_from_dict
 from supervisors.tree import describe_plan, plan_host
-from tests.helpers import eventually
+from tests.helpers import alive, eventually
 
 FAST = Backoff(initial=0.01, max=0.05, multiplier=2.0, jitter=0.0)
 ROOT = Path(__file__).resolve().parents[2]
@@ -290,18 +289,6 @@ PEER = """
     n.ready("up")
     time.sleep(600)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def test_two_process_children_start_concurrently(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from supervisors.backoff import Backoff
 from supervisors.child import ChildSpec
 from supervisors.process import ProcessChild, ProcessExited
 from supervisors.supervisor import Supervisor
+from tests.helpers import alive
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(ROOT)}
@@ -35,19 +36,6 @@ READY_THEN_SLEEP = """
     n.ready()
     time.sleep(600)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # a zombie is dead for our purposes
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def gone(pid: int, timeout: float = 5.0) -> bool:
