@@ -1,13 +1,13 @@
 """Frontend at zero compute, ours vs NVIDIA Dynamo 1.6.1, measured in one run on one box.
 
 For each stack (ours: `actors.supervisor topologies/mocker-agg.toml`, Dynamo: `dynamo.frontend` +
-`dynamo.mocker` as in /work/shared/peer/up.sh, but on free ports) and each routing mode
+`dynamo.mocker` as in the peer kit's up.sh (`$PEER_DIR`, default ../shared/peer), but on free ports) and each routing mode
 (round_robin with 1 mocker worker, kv with 4), one after another:
 
 1. start the stack, wait until /v1/models lists the model;
 2. warm up with wrk (same settings, --warmup seconds);
 3. read CPU (utime+stime from /proc) of the frontend process and of the whole stack tree;
-4. wrk -t1 -c32 -d15s with /work/shared/peer/chat.lua (~130-token chat prompts, 4 streamed tokens);
+4. wrk -t1 -c32 -d15s with the peer kit's chat.lua (~130-token chat prompts, 4 streamed tokens);
 5. read CPU again; requests/s and CPU ms per request come from the differences;
 6. stop the stack (SIGINT, SIGKILL after a grace period), check nothing is left.
 
@@ -38,8 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proc_cpu import cmdline, own_cpu, tree, tree_cpu  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-PEER = Path("/work/shared/peer")
-DYNVV = Path(os.environ.get("DYNVV", "/work/peer/dyn"))
+# The peer kit (chat.lua, up.sh) and Dynamo's venv: from the environment, defaulting to the kit
+# beside the checkout and the venv under the home dir (the kit's install.sh takes its path too).
+PEER = Path(os.environ.get("PEER_DIR", str(ROOT.parent / "shared" / "peer")))
+DYNVV = Path(os.environ.get("DYNVV", str(Path.home() / "peer" / "dyn")))
 MODEL_DIR = Path(os.environ.get("MODEL", str(Path.home() / ".cache/vllm-actors/models/tiny-llama")))
 
 
