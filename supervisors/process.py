@@ -31,6 +31,13 @@ log = logging.getLogger(__name__)
 _PR_SET_PDEATHSIG = 1
 
 
+# A child process that has done its job for good exits with this code (e.g. a worker whose
+# checkpoint snapshot was taken); a parent that lists it in ``normal_exit_codes`` does not restart
+# it. Apart from Python's 1 (uncaught exception) and 2 (usage), and from 126+ (a shell's "cannot
+# run" and 128+N "killed by signal N").
+EXIT_DONE = 3
+
+
 class ProcessExited(FatalError):
     """The process exited abnormally; ``returncode`` is negative for a signal (as in subprocess)."""
 

@@ -237,10 +237,9 @@ def _worker_nodes(t: Topology, name: str, pool: PoolConfig, topology_path: str |
         cid = f"worker-{name}-{i}"
 
         def start(cid: str = cid, argv: list[str] = argv) -> Child:
-            from actors.worker.process import EXIT_OK, EXIT_SNAPSHOT_DONE
-            from supervisors.process import ProcessChild
+            from supervisors.process import EXIT_DONE, ProcessChild
             return ProcessChild(cid, argv, env=pool.env, ready_timeout=ready_timeout,
-                                normal_exit_codes=(EXIT_OK, EXIT_SNAPSHOT_DONE))
+                                normal_exit_codes=(0, EXIT_DONE))
 
         # the worker's own shutdown drains in-flight requests first, then stops its engine
         shutdown = pool.supervisor.shutdown_timeout + pool.sleep.drain_timeout
@@ -269,10 +268,8 @@ def _frontend_nodes(t: Topology, host: str, link: BusLink, status: Callable[[str
 
     def start() -> Child:
         from actors.frontend.actor import FrontendActor
-        from actors.frontend.readiness import PoolExpectation
-        pools = [PoolExpectation(name, p.role, p.replicas, p.host) for name, p in t.pools.items()]
         return FrontendActor(link.child_ctx(), config=fe, model_config=model, instance=f"frontend-{host}",
-                             pools=pools, supervisor_hosts=roots, on_status=status)
+                             pools=t.pools, supervisor_hosts=roots, on_status=status)
 
     return [Node(ChildSpec("frontend", start, "permanent", t.supervisor.drain_timeout), "actor",
                  f"FrontendActor http://{fe.http}/v1 (router {fe.router}"

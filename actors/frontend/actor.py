@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from aiohttp import web
@@ -21,7 +21,7 @@ from actors.router.service import RouterEndpoints, RouterState
 from bus import rpc
 from bus.context import BusContext
 from bus.registry import Registry
-from supervisors.topology import FrontendConfig, ModelConfig
+from supervisors.topology import FrontendConfig, ModelConfig, PoolConfig
 
 from .app import FrontendApp
 from .client import WorkerClient
@@ -47,7 +47,7 @@ class FrontendActor(Actor):
     def __init__(self, bus: BusContext, *, config: FrontendConfig | None = None,
                  model_config: ModelConfig | None = None, instance: str | None = None,
                  kv_factory: Callable[[WorkerSet, BusContext], Router] | None = None,
-                 registry_ttl: float | None = None, pools: list[PoolExpectation] | None = None,
+                 registry_ttl: float | None = None, pools: Mapping[str, PoolConfig] | None = None,
                  supervisor_hosts: list[str] | None = None, on_status: Callable[[str], None] | None = None,
                  **kw: Any) -> None:
         self.config = config or FrontendConfig()
@@ -58,7 +58,8 @@ class FrontendActor(Actor):
             self.registry_ttl = registry_ttl
         decode_only = model_config.allow_decode_only if model_config is not None else True
         self.workers = WorkerSet(verify=True, decode_only=lambda _m: decode_only)
-        self.readiness = Readiness(model_config.name if model_config else None, pools or [],
+        expected = [PoolExpectation(name, p.role, p.replicas, p.host) for name, p in (pools or {}).items()]
+        self.readiness = Readiness(model_config.name if model_config else None, expected,
                                    decode_fallback=decode_only)
         # roots whose children views say what a missing worker is doing (one per host)
         self.supervisor_hosts = supervisor_hosts or []
@@ -161,11 +162,12 @@ class FrontendActor(Actor):
             await self._confirmer.close()
 
     # --- readiness ------------------------------------------------------------------------------------
-    async def health(self) -> tuple[bool, dict[str, Any]]:
-        """/health: readiness from the registry, and what each missing worker is doing from the
-        supervisors (asked only while something is missing; cached for a second)."""
+    async def health(self, detail: bool = True) -> tuple[bool, dict[str, Any]]:
+        """/health: readiness from the registry, and (``detail``) what each missing worker is doing
+        from the supervisors (asked only while something is missing; cached for a second).
+        /v1/models needs only the verdict, which never depends on the supervisors' answers."""
         ready, body = self.readiness.evaluate(self.workers, self._children[1])
-        if any(p["missing"] for p in body.get("pools", {}).values()):
+        if detail and any(p["missing"] for p in body.get("pools", {}).values()):
             await self._refresh_children()
             ready, body = self.readiness.evaluate(self.workers, self._children[1])
         return ready, body

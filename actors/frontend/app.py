@@ -70,7 +70,7 @@ class FrontendApp:
     def __init__(self, *, workers: WorkerSet, router: Router, opener: Opener, config: FrontendConfig,
                  model_config: ModelConfig | None = None, metrics: FrontendMetrics | None = None,
                  preprocessors: PreprocessorCache | None = None,
-                 health: Callable[[], Awaitable[tuple[bool, dict[str, Any]]]] | None = None) -> None:
+                 health: Callable[..., Awaitable[tuple[bool, dict[str, Any]]]] | None = None) -> None:
         self.workers = workers
         self._health = health
         self._expected = frozenset([model_config.name]) if model_config is not None else frozenset()
@@ -167,7 +167,7 @@ class FrontendApp:
     async def models(self, request: web.Request) -> web.Response:
         created = now()
         data = []
-        if self._health is not None and not (await self._health())[0]:
+        if self._health is not None and not (await self._health(detail=False))[0]:
             # /health, /v1/models and READY=1 are three views of one fact: while the deployment is
             # not ready, nothing is listed (a request that can be served is still served)
             return _json({"object": "list", "data": data})

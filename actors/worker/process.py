@@ -42,6 +42,7 @@ from actors.worker.status_http import StatusServer, status_bind_host
 from bus import rpc
 from bus.context import BusContext, open_context
 from supervisors.child import ChildSpec
+from supervisors.process import EXIT_DONE
 from supervisors.sdnotify import Notifier, serve_root
 from supervisors.service import SupervisorService
 from supervisors.supervisor import Supervisor
@@ -52,9 +53,8 @@ log = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # The snapshotter has imaged this process: its job is over and it must not be restarted (the root
-# counts this code as a normal exit of a checkpoint pool's worker). Apart from Python's 1 (uncaught
-# exception) and 2 (usage), and from 126+ (a shell's "cannot run" and 128+N "killed by signal N").
-EXIT_SNAPSHOT_DONE = 3
+# counts supervisors.process.EXIT_DONE as a normal exit of a checkpoint pool's worker).
+EXIT_SNAPSHOT_DONE = EXIT_DONE
 
 
 @dataclass
