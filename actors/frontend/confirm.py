@@ -7,6 +7,10 @@ probed with a request to its instance's ``stats`` verb: an answer confirms it
 (``WorkerSet.confirm``); "no responders" (NATS answers at once when nobody subscribes) marks it a
 ghost that is never routed to, probed again while its record lasts, and purged from the bucket after
 ``purge_after`` failed probes so other watchers (and ``nats kv ls``) stop seeing it.
+
+Confirmed instances are asked again every ``recheck`` seconds: a worker SIGKILLed without
+deregistering keeps its record until the bucket's TTL (10 s), and for that long it would still be
+routed to and counted ready. One that stops answering is taken out at once and probed as above.
 """
 
 from __future__ import annotations
@@ -28,19 +32,27 @@ log = logging.getLogger(__name__)
 
 class InstanceConfirmer:
     def __init__(self, bus: BusContext, workers: WorkerSet, registry: Registry, *, timeout: float = 2.0,
-                 retry: float = 1.0, purge_after: int = 3) -> None:
+                 retry: float = 1.0, purge_after: int = 3, recheck: float = 2.0) -> None:
         self.bus = bus
         self.workers = workers
         self.registry = registry
         self.timeout = timeout
         self.retry = retry
         self.purge_after = purge_after
+        self.recheck = recheck
         self._probing: dict[str, asyncio.Task[None]] = {}
+        self._rechecker: asyncio.Task[None] | None = None
         self.ghosts_purged = 0
 
     def put(self, key: str, value: bytes) -> None:
         """Registry put (a ``watch_into`` callback): apply it, probe a new incarnation."""
-        if self.workers.put_instance(key, value) and key not in self._probing:
+        if self.workers.put_instance(key, value):
+            self._probe(key)
+        if self._rechecker is None:
+            self._rechecker = asyncio.create_task(self._recheck_loop(), name="confirm-recheck")
+
+    def _probe(self, key: str) -> None:
+        if key not in self._probing:
             self._probing[key] = asyncio.create_task(self._confirm(key), name=f"confirm-{key}")
 
     def delete(self, key: str) -> None:
@@ -50,7 +62,8 @@ class InstanceConfirmer:
             task.cancel()
 
     async def close(self) -> None:
-        tasks = list(self._probing.values())
+        tasks = list(self._probing.values()) + ([self._rechecker] if self._rechecker else [])
+        self._rechecker = None
         self._probing.clear()
         for t in tasks:
             t.cancel()
@@ -85,6 +98,27 @@ class InstanceConfirmer:
         finally:
             if self._probing.get(key) is asyncio.current_task():
                 del self._probing[key]
+
+    async def _recheck_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.recheck)
+            await asyncio.gather(*(self._recheck(k) for k in self.workers.confirmed_keys()))
+
+    async def _recheck(self, key: str) -> None:
+        rec = self.workers.record(key)
+        if rec is None:
+            return
+        try:
+            await rpc.request(self.bus.nc, self.bus.subjects.worker(rec.instance, C.VERB_STATS), {},
+                              timeout=self.timeout)
+        except Unavailable:
+            if self.workers.record(key) is rec:
+                log.warning("instance %s stopped answering on the bus; not routed until it answers again",
+                            rec.instance)
+                self.workers.unconfirm(key)
+                self._probe(key)
+        except Exception as e:  # noqa: BLE001 - busy or reconnecting: not a verdict
+            log.debug("rechecking %s: %s", rec.instance, e)
 
     async def _purge(self, key: str, instance: str) -> None:
         log.warning("purging registry record of %s: it never answered on the bus (a dead run's record)",

@@ -105,6 +105,17 @@ class WorkerSet:
             self._confirmed.add((rec.instance, started_at))
             self._rebuild()
 
+    def unconfirm(self, key: str) -> None:
+        """The instance of ``key`` stopped answering: not routed (nor counted ready) until it
+        answers again."""
+        rec = self._records.get(key)
+        if rec is not None and (rec.instance, rec.started_at) in self._confirmed:
+            self._confirmed.discard((rec.instance, rec.started_at))
+            self._rebuild()
+
+    def confirmed_keys(self) -> list[str]:
+        return [k for k, r in self._records.items() if (r.instance, r.started_at) in self._confirmed]
+
     def record(self, key: str) -> InstanceRecord | None:
         return self._records.get(key)
 

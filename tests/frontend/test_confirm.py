@@ -57,3 +57,22 @@ async def test_ghost_records_are_never_routed_to_and_are_purged(deploy: Any, htt
     async with http.post(deploy.url + "/v1/completions",
                          json={"model": MODEL, "prompt": "hi", "max_tokens": 2}) as r:
         assert r.status == 200 and r.headers["x-worker-instance-id"] == live.instance
+
+
+async def test_a_worker_that_vanishes_without_deregistering_is_dropped_before_its_ttl(
+        deploy: Any, http: aiohttp.ClientSession) -> None:
+    """SIGKILL leaves a record that lives until the bucket's TTL; the frontend stops routing to it
+    and counting it ready as soon as it stops answering on the bus."""
+    bus = deploy.bus
+    live = await deploy.worker()
+    fe = await deploy.start_frontend()
+    fe._confirmer.recheck = 0.2
+    await eventually(lambda: [w.instance for w in fe.workers.ready_instances()] == [live.instance], 10)
+    # the process dies: its subscriptions vanish with its connection, its record stays behind
+    await live._service.stop(0.0)
+    await eventually(lambda: fe.workers.ready_instances() == [], 5)
+    reg = Registry(bus.js, bus.subjects.bucket_instances)
+    await reg.ensure()
+    assert fe.workers.record(live.instance) is not None or await reg.get(live.instance) is not None
+    async with http.get(deploy.url + "/health") as r:
+        assert r.status == 503
