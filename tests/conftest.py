@@ -9,6 +9,17 @@ import pytest
 
 from bus.context import BusContext, open_context
 from bus.embedded import EmbeddedNats, free_port
+from tests import watchdog
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A hung test dumps its asyncio tasks to stderr before pytest-timeout kills it (tests/watchdog.py)."""
+    timer = watchdog.arm(item.nodeid)
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 @pytest.fixture(scope="session")

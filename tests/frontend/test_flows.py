@@ -23,7 +23,7 @@ MODEL = "tiny"
 
 
 def client(d: Any) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0)
+    return AsyncOpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
 async def until(cond: Any, timeout: float = 5.0) -> None:

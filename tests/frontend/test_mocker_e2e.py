@@ -47,7 +47,7 @@ async def stack(bus: BusContext, tiny_dir: str) -> AsyncIterator[tuple[FrontendA
 
 async def test_openai_client_against_mocker(stack: Any) -> None:
     fe, workers = stack
-    c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0)
+    c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
     seen = set()
     for _ in range(2):
         raw = await c.chat.completions.with_raw_response.create(

@@ -16,6 +16,7 @@ MODEL = "tiny"  # served name the scripted workers register (conftest)
 
 
 def client(d: Any, **kw) -> AsyncOpenAI:
+    kw.setdefault("timeout", 60)
     return AsyncOpenAI(base_url=d.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
 
 
