@@ -6,12 +6,11 @@ test only."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import os
+import re
 import sys
 import threading
 import types
-from collections.abc import Iterator
 from typing import Any
 
 _CWD = os.getcwd() + os.sep
@@ -23,7 +22,7 @@ AFTER_S = float(os.environ.get("TEST_WATCHDOG_S", "45"))
 def _short(path: str) -> str:
     if path.startswith(_CWD):
         return path[len(_CWD):]
-    return path.rsplit("/site-packages/", 1)[-1].rsplit("/lib/python3.", 1)[-1]
+    return re.sub(r"^.*/(site-packages|lib/python3\.\d+)/", "", path)
 
 
 def _await_chain(coro: Any) -> list[str]:
@@ -43,10 +42,18 @@ def _await_chain(coro: Any) -> list[str]:
     return out
 
 
-def _running_loops() -> Iterator[asyncio.AbstractEventLoop]:
-    for obj in gc.get_objects():
-        if isinstance(obj, asyncio.AbstractEventLoop) and obj.is_running():
-            yield obj
+def _running_loops() -> list[asyncio.AbstractEventLoop]:
+    """Loops running in any thread, found from the threads' stacks (scanning gc objects instead
+    would run isinstance on every object, which some lazy modules turn into side effects)."""
+    loops: list[asyncio.AbstractEventLoop] = []
+    for frame in sys._current_frames().values():
+        f: types.FrameType | None = frame
+        while f is not None:
+            obj = f.f_locals.get("self") if f.f_code.co_name == "run_forever" else None
+            if obj is not None and issubclass(type(obj), asyncio.AbstractEventLoop) and obj not in loops:
+                loops.append(obj)
+            f = f.f_back
+    return loops
 
 
 def dump_tasks(reason: str) -> None:
