@@ -23,6 +23,10 @@ MODEL = ModelConfig(name="tiny", path="tiny")
 ARGS = {"speedup_ratio": "inf", "max_model_len": 1024, "block_size": 16}
 
 
+def client(fe: FrontendActor) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+
+
 @pytest.fixture
 async def kv_stack(bus: BusContext, tiny_dir: str) -> AsyncIterator[tuple[FrontendActor, list[Actor]]]:
     pool = PoolConfig(engine="mocker")
@@ -56,7 +60,7 @@ async def test_progressive_prefix_stays_on_one_worker(kv_stack: Any) -> None:
     fe, _ = kv_stack
     policy = fe._router
     assert policy.name == "kv" and policy.router is not None
-    c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+    c = client(fe)
     words = " ".join(f"w{i}" for i in range(400))
     served = []
     for turn in range(4):
@@ -78,7 +82,7 @@ async def test_progressive_prefix_stays_on_one_worker(kv_stack: Any) -> None:
 
 async def test_unrelated_prompts_spread(kv_stack: Any) -> None:
     fe, _ = kv_stack
-    c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+    c = client(fe)
 
     async def one(i: int) -> str:
         raw = await c.completions.with_raw_response.create(
@@ -93,7 +97,7 @@ async def test_unrelated_prompts_spread(kv_stack: Any) -> None:
 
 async def test_router_metrics_on_frontend_metrics(kv_stack: Any) -> None:
     fe, _ = kv_stack
-    c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+    c = client(fe)
     await c.completions.create(model="tiny", prompt="metrics " * 80, max_tokens=1)
     import aiohttp
 
@@ -122,7 +126,7 @@ async def test_approximate_mode_follows_own_decisions(bus: BusContext, tiny_dir:
                 break
             await asyncio.sleep(0.05)
         assert fe._router.router.mode == "approx"
-        c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+        c = client(fe)
         words = " ".join(f"s{i}" for i in range(300))
         served = set()
         for turn in range(3):
@@ -163,7 +167,7 @@ async def test_disaggregated_session_prefills_on_one_prefill_worker(bus: BusCont
                 break
             await asyncio.sleep(0.05)
         await fe.app._preprocessor(fe.workers.models["tiny"])
-        c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+        c = client(fe)
         words = " ".join(f"d{i}" for i in range(400))
         prefills, decodes = [], []
         for turn in range(4):
@@ -224,7 +228,7 @@ async def test_sessions_sent_as_soon_as_the_model_is_listed_stay_on_one_worker(b
                 await asyncio.sleep(0.01)
         policy = fe._router
         assert policy.router is not None  # built when the first worker registered, not later
-        c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+        c = client(fe)
         sessions = [[1000 * (sess + 1) + j for j in range(16 * 8)] for sess in range(8)]
         placed: dict[int, list[str]] = {}
         for sess, base in enumerate(sessions):
@@ -258,7 +262,7 @@ async def test_sessions_sent_as_soon_as_the_model_is_listed_stay_on_one_worker(b
 async def test_late_worker_is_bootstrapped_without_the_others_losing_blocks(bus: BusContext,
                                                                            kv_stack: Any) -> None:
     fe, actors = kv_stack
-    c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+    c = client(fe)
     for i in range(3):
         await c.completions.create(model="tiny", prompt=[500 * (i + 1) + j for j in range(64)], max_tokens=1,
                                    extra_headers={WORKER_HEADER: f"kv{i}"})
@@ -298,7 +302,7 @@ async def test_router_endpoints_answer_from_the_frontend_and_agree_with_it(bus: 
                                                                            kv_stack: Any) -> None:
     fe, _ = kv_stack
     policy = fe._router
-    c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+    c = client(fe)
     prompt = [7000 + j for j in range(16 * 5)]
     first = await c.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=1)
     served = first.headers[WORKER_HEADER]
