@@ -227,6 +227,12 @@ def worker_argv(topology_path: str | Path, pool: str, replica: int, overrides: l
     return argv
 
 
+def worker_child_id(pool: str, replica: int) -> str:
+    """The root's child id of a worker process (also the worker supervisor's name, and what the
+    frontend's readiness looks up in the children views)."""
+    return f"worker-{pool}-{replica}"
+
+
 def _worker_nodes(t: Topology, name: str, pool: PoolConfig, topology_path: str | Path,
                   overrides: list[str]) -> list[Node]:
     nodes = []
@@ -234,7 +240,7 @@ def _worker_nodes(t: Topology, name: str, pool: PoolConfig, topology_path: str |
     ready_timeout = 60.0 if pool.engine == "mocker" else 900.0
     for i in range(pool.replicas):
         argv = worker_argv(topology_path, name, i, overrides, t)
-        cid = f"worker-{name}-{i}"
+        cid = worker_child_id(name, i)
 
         def start(cid: str = cid, argv: list[str] = argv) -> Child:
             from supervisors.process import EXIT_DONE, ProcessChild

@@ -68,9 +68,9 @@ def error_response(err: ActorError) -> web.Response:
 
 class FrontendApp:
     def __init__(self, *, workers: WorkerSet, router: Router, opener: Opener, config: FrontendConfig,
+                 health: Callable[..., Awaitable[tuple[bool, dict[str, Any]]]],
                  model_config: ModelConfig | None = None, metrics: FrontendMetrics | None = None,
-                 preprocessors: PreprocessorCache | None = None,
-                 health: Callable[..., Awaitable[tuple[bool, dict[str, Any]]]] | None = None) -> None:
+                 preprocessors: PreprocessorCache | None = None) -> None:
         self.workers = workers
         self._health = health
         self._expected = frozenset([model_config.name]) if model_config is not None else frozenset()
@@ -167,7 +167,7 @@ class FrontendApp:
     async def models(self, request: web.Request) -> web.Response:
         created = now()
         data = []
-        if self._health is not None and not (await self._health(detail=False))[0]:
+        if not (await self._health(detail=False))[0]:
             # /health, /v1/models and READY=1 are three views of one fact: while the deployment is
             # not ready, nothing is listed (a request that can be served is still served)
             return _json({"object": "list", "data": data})
@@ -184,13 +184,7 @@ class FrontendApp:
 
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: 200 only while the deployment can serve (actors.frontend.readiness)."""
-        if self._health is not None:
-            ready, body = await self._health()
-        else:
-            ready = bool(self.workers.models)
-            body = {"status": "healthy" if ready else "starting", "models": sorted(self.workers.models),
-                    "instances": [{"instance": w.instance, "model": w.model, "pool": w.pool, "role": w.role,
-                                   "subject": w.subject} for w in self.workers.ready_instances()]}
+        ready, body = await self._health()
         return _json(body, status=200 if ready else 503, headers=None if ready else {"Retry-After": RETRY_AFTER_S})
 
     async def live(self, request: web.Request) -> web.Response:

@@ -20,6 +20,7 @@ import contextlib
 import logging
 
 from actors.worker import contract as C
+from actors.worker.contract import InstanceRecord
 from bus import rpc
 from bus.context import BusContext
 from bus.errors import Unavailable
@@ -76,9 +77,8 @@ class InstanceConfirmer:
                 rec = self.workers.record(key)
                 if rec is None:
                     return
-                subject = self.bus.subjects.worker(rec.instance, C.VERB_STATS)
                 try:
-                    await rpc.request(self.bus.nc, subject, {}, timeout=self.timeout)
+                    await self._ask(rec)
                 except Unavailable:
                     misses += 1
                     log.info("instance %s in the registry does not answer on the bus (%d/%d): not routed",
@@ -99,6 +99,11 @@ class InstanceConfirmer:
             if self._probing.get(key) is asyncio.current_task():
                 del self._probing[key]
 
+    async def _ask(self, rec: InstanceRecord) -> None:
+        """Ask the instance itself (its stats verb); Unavailable when no process answers."""
+        await rpc.request(self.bus.nc, self.bus.subjects.worker(rec.instance, C.VERB_STATS), {},
+                          timeout=self.timeout)
+
     async def _recheck_loop(self) -> None:
         while True:
             await asyncio.sleep(self.recheck)
@@ -109,8 +114,7 @@ class InstanceConfirmer:
         if rec is None:
             return
         try:
-            await rpc.request(self.bus.nc, self.bus.subjects.worker(rec.instance, C.VERB_STATS), {},
-                              timeout=self.timeout)
+            await self._ask(rec)
         except Unavailable:
             if self.workers.record(key) is rec:
                 log.warning("instance %s stopped answering on the bus; not routed until it answers again",

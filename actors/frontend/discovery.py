@@ -89,6 +89,9 @@ class WorkerSet:
     def put_instance(self, key: str, value: bytes | InstanceRecord) -> bool:
         """Apply a record; True when its instance still has to be confirmed live (``confirm``)."""
         rec = value if isinstance(value, InstanceRecord) else msgspec.json.decode(value, type=InstanceRecord)
+        old = self._records.get(key)
+        if old is not None and old.started_at != rec.started_at:
+            self._confirmed.discard((old.instance, old.started_at))  # that incarnation is gone
         self._records[key] = rec
         self._rebuild()
         return self.needs_confirmation(key)

@@ -21,11 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.worker.contract import InstanceRecord
+from supervisors.tree import worker_child_id
 
 from .discovery import WorkerSet
-
-# child ids of worker processes, as supervisors.tree names them
-WORKER_CHILD = "worker-{pool}-{replica}"
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ class Readiness:
                  children: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         """The replicas of ``p`` that are not serving, with what each is doing."""
         mine = [r for r in records if r.pool == p.name]
-        views = {i: children.get(WORKER_CHILD.format(pool=p.name, replica=i)) for i in range(p.replicas)}
+        views = {i: children.get(worker_child_id(p.name, i)) for i in range(p.replicas)}
         missing: list[dict[str, Any]] = []
         if not any(views.values()):
             # no supervisor view (e.g. another host's supervisor did not answer): count only
@@ -93,7 +91,7 @@ class Readiness:
             if rec is not None and rec.instance in live:
                 continue
             state, detail = _missing_state(child, rec)
-            missing.append({"replica": i, "child": WORKER_CHILD.format(pool=p.name, replica=i),
+            missing.append({"replica": i, "child": worker_child_id(p.name, i),
                             "state": state, "detail": detail})
         return missing
 

@@ -158,29 +158,14 @@ class KvRouter:
         if not isinstance(self.index, KvIndex):
             return None
         gap = self.index.apply(event)
-        preds = self.predictions
-        if preds is not None and len(preds):
-            w = event.worker
-            if event.kind == "stored":
-                self._confirm(w, [b.seq_hash for b in event.stored])
-            elif event.kind == "removed":
-                self._contradict(w, event.removed)
-            else:
-                self._contradict_all(w)
+        self._settle(event.worker, [event])
         return gap
 
     def apply_range(self, reply: KvRangeReply) -> Gap | None:
         if not isinstance(self.index, KvIndex):
             return None
         gap = self.index.apply_range(reply)
-        preds = self.predictions
-        if preds is not None and len(preds):
-            w = (reply.instance, reply.dp_rank)
-            for ev in reply.events:
-                if ev.kind == "stored":
-                    self._confirm(w, [b.seq_hash for b in ev.stored])
-                elif ev.kind == "removed":
-                    self._contradict(w, ev.removed)
+        self._settle((reply.instance, reply.dp_rank), reply.events)
         return gap
 
     def load_dump(self, instance: str, snapshot: KvSnapshot) -> Gap | None:
@@ -188,28 +173,27 @@ class KvRouter:
         if not isinstance(self.index, KvIndex):
             return None
         gap = self.index.load_dump(instance, snapshot)
-        if self.predictions is not None and len(self.predictions):
-            self._confirm((instance, snapshot.dp_rank), [b.seq_hash for b in snapshot.blocks])
+        self._settle((instance, snapshot.dp_rank), stored=[b.seq_hash for b in snapshot.blocks])
         return gap
 
-    def _confirm(self, w: Worker, hashes: list[int]) -> None:
-        """Predictions the index now holds are no longer predictions (a buffered event confirms nothing)."""
-        preds = self.predictions
-        assert preds is not None and isinstance(self.index, KvIndex)
-        index = self.index
-        if preds.forget(w, [h for h in hashes if index.holds(h, w)]):
-            self.metrics.predicted_blocks.set(preds.predicted())
-
-    def _contradict(self, w: Worker, hashes: list[int]) -> None:
-        preds = self.predictions
-        assert preds is not None
-        if preds.forget(w, hashes):
-            self.metrics.predicted_blocks.set(preds.predicted())
-
-    def _contradict_all(self, w: Worker) -> None:
-        preds = self.predictions
-        assert preds is not None
-        if preds.forget_worker(w):
+    def _settle(self, w: Worker, events: Sequence[RouterKvEvent] = (), stored: Sequence[int] = ()) -> None:
+        """End the predictions on ``w`` that these events (or dumped blocks) settle: stored blocks the
+        index now holds confirm them (a buffered event confirms nothing), removed blocks contradict
+        them, a cleared cache ends them all."""
+        preds, index = self.predictions, self.index
+        if preds is None or not len(preds) or not isinstance(index, KvIndex):
+            return
+        confirmed = list(stored)
+        gone = 0
+        for ev in events:
+            if ev.kind == "stored":
+                confirmed += [b.seq_hash for b in ev.stored]
+            elif ev.kind == "removed":
+                gone += preds.forget(w, ev.removed)
+            else:
+                gone += preds.forget_worker(w)
+        gone += preds.forget(w, [h for h in confirmed if index.holds(h, w)])
+        if gone:
             self.metrics.predicted_blocks.set(preds.predicted())
 
     def reconcile(self, report: LoadReport) -> None:

@@ -48,6 +48,7 @@ from supervisors.service import SupervisorService
 from supervisors.supervisor import Supervisor
 from supervisors.topology import PoolConfig, Topology
 from supervisors.topology_loader import TopologyError, load_topology
+from supervisors.tree import worker_child_id
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
                      notifier: Notifier | None = None,
                      engine_factory: Callable[[], Engine] | None = None) -> int:
     pool = t.pools[pool_name]
-    node = f"worker-{pool_name}-{replica}"
+    node = worker_child_id(pool_name, replica)
     instance = f"{pool_name}-{replica}-{secrets.token_hex(3)}"
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
