@@ -77,32 +77,35 @@ class InstanceConfirmer:
                 rec = self.workers.record(key)
                 if rec is None:
                     return
-                try:
-                    await self._ask(rec)
-                except Unavailable:
+                answered = await self._answers(rec)
+                if answered:
+                    self.workers.confirm(key, rec.started_at)
+                    log.debug("instance %s confirmed on the bus", rec.instance)
+                    continue  # done, unless a newer incarnation arrived meanwhile: probe that one
+                if answered is False:
                     misses += 1
                     log.info("instance %s in the registry does not answer on the bus (%d/%d): not routed",
                              rec.instance, misses, self.purge_after)
                     if misses >= self.purge_after and self.workers.record(key) is rec:
                         await self._purge(key, rec.instance)
                         return
-                except Exception as e:  # noqa: BLE001 - a timeout (busy) or a reconnect: ask again
-                    log.debug("confirming %s: %s", rec.instance, e)
-                else:
-                    self.workers.confirm(key, rec.started_at)
-                    log.debug("instance %s confirmed on the bus", rec.instance)
-                    if not self.workers.needs_confirmation(key):
-                        return
-                    continue  # a newer incarnation arrived meanwhile: probe that one
                 await asyncio.sleep(self.retry)
         finally:
             if self._probing.get(key) is asyncio.current_task():
                 del self._probing[key]
 
-    async def _ask(self, rec: InstanceRecord) -> None:
-        """Ask the instance itself (its stats verb); Unavailable when no process answers."""
-        await rpc.request(self.bus.nc, self.bus.subjects.worker(rec.instance, C.VERB_STATS), {},
-                          timeout=self.timeout)
+    async def _answers(self, rec: InstanceRecord) -> bool | None:
+        """Ask the instance itself (its stats verb): True if it answered, False if no process is
+        there to answer (a verdict), None if unsure (busy, reconnecting: ask again later)."""
+        try:
+            await rpc.request(self.bus.nc, self.bus.subjects.worker(rec.instance, C.VERB_STATS), {},
+                              timeout=self.timeout)
+        except Unavailable:
+            return False
+        except Exception as e:  # noqa: BLE001 - a timeout or a reconnect is not a verdict
+            log.debug("asking %s: %s", rec.instance, e)
+            return None
+        return True
 
     async def _recheck_loop(self) -> None:
         while True:
@@ -113,16 +116,11 @@ class InstanceConfirmer:
         rec = self.workers.record(key)
         if rec is None:
             return
-        try:
-            await self._ask(rec)
-        except Unavailable:
-            if self.workers.record(key) is rec:
-                log.warning("instance %s stopped answering on the bus; not routed until it answers again",
-                            rec.instance)
-                self.workers.unconfirm(key)
-                self._probe(key)
-        except Exception as e:  # noqa: BLE001 - busy or reconnecting: not a verdict
-            log.debug("rechecking %s: %s", rec.instance, e)
+        if await self._answers(rec) is False and self.workers.record(key) is rec:
+            log.warning("instance %s stopped answering on the bus; not routed until it answers again",
+                        rec.instance)
+            self.workers.unconfirm(key)
+            self._probe(key)
 
     async def _purge(self, key: str, instance: str) -> None:
         log.warning("purging registry record of %s: it never answered on the bus (a dead run's record)",
