@@ -21,6 +21,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
 from bus import codec
+from bus.tasks import cancel_and_wait, honouring_cancel
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +146,7 @@ class Registry:
         self._values.pop(key, None)
         task = self._refresh.pop(key, None)
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait([task])
         try:
             await self.kv.purge(key, msg_ttl=max(1.0, self.ttl))
         except Exception as e:
@@ -156,9 +155,7 @@ class Registry:
 
     async def close(self) -> None:
         """Stop heartbeats without deleting (entries then expire by TTL)."""
-        for task in self._refresh.values():
-            task.cancel()
-        await asyncio.gather(*self._refresh.values(), return_exceptions=True)
+        await cancel_and_wait(self._refresh.values())
         self._refresh.clear()
         self._values.clear()
 
@@ -168,7 +165,9 @@ class Registry:
         Consume it from its own task: cancelling a pending ``__anext__`` (e.g. ``wait_for`` timing out)
         closes an async generator, so the watch would end.
         """
-        watcher = await self.kv.watch(key_filter)
+        # The setup makes requests, which may lose a cancel (bus.tasks); the watch would then
+        # outlive its consumer's stop.
+        watcher = await honouring_cancel(self.kv.watch(key_filter))
         known: dict[str, bytes] = {}
         try:
             async for entry in watcher:

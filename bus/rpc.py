@@ -19,6 +19,7 @@ from bus import codec
 from bus.errors import ActorError, RequestTimeout, Unavailable
 from bus.stream import StreamCall, stream_request
 from bus.stream_responder import StreamCancels, respond_stream
+from bus.tasks import honouring_cancel
 from bus.wire import decode_payload, encode_payload, error_headers, raise_if_error
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ async def request(nc: Client, subject: str, payload: Any, *, timeout: float = 5.
     if headers:
         hdrs.update(headers)
     try:
-        msg = await nc.request(subject, encode_payload(payload, msgpack), timeout=timeout, headers=hdrs)
+        msg = await honouring_cancel(nc.request(subject, encode_payload(payload, msgpack), timeout=timeout,
+                                                headers=hdrs))
     except nats.errors.NoRespondersError:
         raise Unavailable(f"no responders on {subject}") from None
     except nats.errors.TimeoutError:

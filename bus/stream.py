@@ -41,6 +41,7 @@ from nats.aio.msg import Msg
 from bus import codec
 from bus import subjects as S
 from bus.errors import RemoteError, StreamGap, StreamStalled, Unavailable
+from bus.tasks import honouring_cancel
 from bus.wire import (
     DEFAULT_STALL,
     HEARTBEAT_FRACTION,
@@ -264,7 +265,7 @@ def _inbox_mux(nc: Client) -> _InboxMux:
 async def _responder_alive(nc: Client, subject: str, timeout: float) -> bool:
     """False only when the server says nobody is subscribed (the responder's process is gone)."""
     try:
-        await nc.request(subject, b"", timeout=timeout)
+        await honouring_cancel(nc.request(subject, b"", timeout=timeout))
     except nats.errors.NoRespondersError:
         return False
     except Exception:  # slow or unsure: let the stall timeout decide

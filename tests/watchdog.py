@@ -6,6 +6,7 @@ test only."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import re
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 
 _CWD = os.getcwd() + os.sep
 # Before the test clients' 60 s timeouts and pytest-timeout's 600 s; a slow test that passes pays one
-# scan of gc objects, and its dump is shown only if it fails.
+# dump, which is shown only if it fails.
 AFTER_S = float(os.environ.get("TEST_WATCHDOG_S", "45"))
 
 
@@ -33,6 +34,9 @@ def _await_chain(coro: Any) -> list[str]:
         if frame is not None:
             out.append(f"{_short(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}")
         nxt = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
+        if type(nxt).__name__ in ("async_generator_asend", "async_generator_athrow"):
+            # these do not expose their generator; its referents do (a look at one object, no scan)
+            nxt = next((r for r in gc.get_referents(nxt) if isinstance(r, types.AsyncGeneratorType)), nxt)
         if nxt is None or not isinstance(nxt, (types.CoroutineType, types.GeneratorType, types.AsyncGeneratorType)) \
                 and not hasattr(nxt, "cr_frame"):
             if nxt is not None:
@@ -69,7 +73,7 @@ def dump_tasks(reason: str) -> None:
             tasks = []
         for t in tasks:
             chain = _await_chain(t.get_coro())
-            lines.append(f"- {t.get_name()}: " + " > ".join(chain[-4:]))
+            lines.append(f"- {t.get_name()}: " + " > ".join(chain[-6:]))
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 

@@ -21,6 +21,7 @@ from actors.router.service import RouterEndpoints, RouterState
 from bus import rpc
 from bus.context import BusContext
 from bus.registry import Registry
+from bus.tasks import cancel_and_wait
 from supervisors.topology import FrontendConfig, ModelConfig, PoolConfig
 
 from .app import FrontendApp
@@ -154,9 +155,7 @@ class FrontendActor(Actor):
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        for t in self._watchers:
-            t.cancel()
-        await asyncio.gather(*self._watchers, return_exceptions=True)
+        await cancel_and_wait(self._watchers)
         self._watchers.clear()
         if self._confirmer is not None:
             await self._confirmer.close()

@@ -25,6 +25,7 @@ from bus import rpc
 from bus.context import BusContext
 from bus.errors import Unavailable
 from bus.registry import Registry
+from bus.tasks import cancel_and_wait
 
 from .discovery import WorkerSet
 
@@ -66,9 +67,7 @@ class InstanceConfirmer:
         tasks = list(self._probing.values()) + ([self._rechecker] if self._rechecker else [])
         self._rechecker = None
         self._probing.clear()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
 
     async def _confirm(self, key: str) -> None:
         misses = 0

@@ -20,6 +20,7 @@ from actors.router.feed import KvRouterFeed
 from actors.router.kv_router import KvRouter
 from actors.router.metrics import RouterMetrics
 from bus.context import BusContext
+from bus.tasks import cancel_and_wait
 from supervisors.topology import FrontendConfig
 
 from .discovery import Worker, WorkerSet
@@ -124,9 +125,7 @@ class KvPolicy:
         with contextlib.suppress(ValueError):
             self.workers.listeners.remove(self._on_workers)
         if self._feed_task is not None:
-            self._feed_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._feed_task
+            await cancel_and_wait([self._feed_task])
         if self.feed is not None:
             await self.feed.stop()
 

@@ -15,6 +15,7 @@ from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from actors.engines.protocol import SamplingOptions
 from actors.worker.contract import GenerateChunk
 from bus.errors import BadRequest, NotFound, Overloaded
+from bus.tasks import cancel_and_wait
 
 from .detok import TextStream
 from .discovery import ModelEntry, WorkerSet
@@ -232,6 +233,4 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, GenerateC
                 continue
             yield c, chunk
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)

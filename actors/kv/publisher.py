@@ -20,7 +20,6 @@ role "decode" no ZMQ socket is opened at all; the endpoints still answer (empty)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -47,6 +46,7 @@ from bus import rpc
 from bus import subjects as S
 from bus.context import BusContext
 from bus.errors import NotFound
+from bus.tasks import cancel_and_wait
 from supervisors.child import ChildSpec, LazyChild
 
 if TYPE_CHECKING:
@@ -164,11 +164,7 @@ class KvPublisherActor(Actor):
                                                    name=f"kvpub-{self.worker_instance}-{src.dp_rank}"))
 
     async def on_stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         for r in self._ranks:
             r.close()

@@ -50,6 +50,7 @@ from bus.context import BusContext
 from bus.errors import ActorError
 from bus.registry import Registry, RegistryEvent
 from bus.rpc import request
+from bus.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +119,7 @@ class KvRouterFeed:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
         self._subs = []
-        tasks = self._tasks + list(self._recoveries.values())
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(self._tasks + list(self._recoveries.values()))
         self._tasks = []
         self._recoveries.clear()
         self._buffers.clear()

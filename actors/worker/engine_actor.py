@@ -47,6 +47,7 @@ from bus.errors import BadRequest, EngineDead, NotFound
 from bus.registry import Registry
 from bus.rpc import respond
 from bus.stream_responder import StreamCancels
+from bus.tasks import cancel_and_wait
 from supervisors.topology import ModelConfig, PoolConfig
 
 log = logging.getLogger(__name__)
@@ -276,9 +277,7 @@ class EngineActor(Actor):
 
     async def on_stop(self) -> None:
         await self.sleeper.stop_idle_watch()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(self._tasks)
         self._tasks = []
         if self._models is not None:
             # not deregister: other replicas share the model card; it expires if none refreshes it

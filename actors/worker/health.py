@@ -11,7 +11,6 @@ supervisor, which restarts the engine subtree (rest_for_one) with backoff.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -24,6 +23,7 @@ from actors.worker.contract import GenerateChunk, GenerateRequest, HealthReply, 
 from bus import rpc
 from bus.context import BusContext
 from bus.errors import ActorError, EngineDead, Overloaded, RequestTimeout, StreamStalled, TransportError
+from bus.tasks import cancel_and_wait
 from supervisors.topology import HealthConfig
 
 log = logging.getLogger(__name__)
@@ -236,9 +236,7 @@ class HealthMonitor(Actor):
 
     async def on_stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait([self._task])
 
     async def _check(self) -> HealthReply:
         subject = self.bus.subjects.worker(self.engine_instance, C.VERB_HEALTH)

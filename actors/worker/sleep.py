@@ -19,6 +19,7 @@ from typing import Protocol
 
 from actors.engines.protocol import Engine
 from actors.worker.contract import SleepRequest, StatusReply
+from bus.tasks import cancel_and_wait
 from supervisors.topology import SleepConfig
 
 log = logging.getLogger(__name__)
@@ -126,11 +127,7 @@ class SleepController:
 
     async def stop_idle_watch(self) -> None:
         if self._idle_task is not None:
-            self._idle_task.cancel()
-            try:
-                await self._idle_task
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001
-                pass
+            await cancel_and_wait([self._idle_task])
             self._idle_task = None
 
     async def _idle_loop(self) -> None:
