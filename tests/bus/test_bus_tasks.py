@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import pytest
 
@@ -106,6 +108,17 @@ async def test_honouring_cancel_lets_cleanup_after_a_handled_cancel_run() -> Non
     assert result == ["cleaned"]
 
 
+async def _cancel_at_random_moments(work: Callable[[], Coroutine[Any, Any, None]], what: str, seed: int) -> None:
+    """Start ``work``, cancel it once a random few ms later, and require it to end; ROUNDS times."""
+    rng = random.Random(seed)
+    for i in range(ROUNDS):
+        t = asyncio.create_task(work())
+        await asyncio.sleep(rng.uniform(0, 0.01))
+        t.cancel()
+        done, _ = await asyncio.wait([t], timeout=5)
+        assert done, f"round {i}: {what} went on after its cancel"
+
+
 async def test_a_registry_watch_cancelled_at_any_moment_ends_on_one_cancel(bus: BusContext) -> None:
     reg = Registry(bus.js, bus.subjects.bucket_instances, 10)
     await reg.ensure()
@@ -116,14 +129,8 @@ async def test_a_registry_watch_cancelled_at_any_moment_ends_on_one_cancel(bus: 
         async for _ in reg.watch():
             pass
 
-    rng = random.Random(7)
     try:
-        for i in range(ROUNDS):
-            t = asyncio.create_task(consume())
-            await asyncio.sleep(rng.uniform(0, 0.01))
-            t.cancel()
-            done, _ = await asyncio.wait([t], timeout=5)
-            assert done, f"round {i}: the watch went on after its cancel"
+        await _cancel_at_random_moments(consume, "the watch", seed=7)
     finally:
         await reg.close()
 
@@ -140,13 +147,7 @@ async def test_a_request_loop_cancelled_at_any_moment_ends_on_one_cancel(bus: Bu
         while True:
             await rpc.request(bus.nc, subject, {"x": 1}, timeout=5)
 
-    rng = random.Random(11)
     try:
-        for i in range(ROUNDS):
-            t = asyncio.create_task(ask_forever())
-            await asyncio.sleep(rng.uniform(0, 0.01))
-            t.cancel()
-            done, _ = await asyncio.wait([t], timeout=5)
-            assert done, f"round {i}: the request loop went on after its cancel"
+        await _cancel_at_random_moments(ask_forever, "the request loop", seed=11)
     finally:
         await sub.unsubscribe()
