@@ -21,7 +21,7 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
 from bus import codec
-from bus.tasks import cancel_and_wait, honouring_cancel
+from bus.tasks import cancel_and_wait, cancels
 
 log = logging.getLogger(__name__)
 
@@ -165,11 +165,14 @@ class Registry:
         Consume it from its own task: cancelling a pending ``__anext__`` (e.g. ``wait_for`` timing out)
         closes an async generator, so the watch would end.
         """
-        # The setup makes requests, which may lose a cancel (bus.tasks); the watch would then
-        # outlive its consumer's stop.
-        watcher = await honouring_cancel(self.kv.watch(key_filter))
+        asked = cancels()
+        watcher = await self.kv.watch(key_filter)
         known: dict[str, bytes] = {}
         try:
+            if cancels() > asked:
+                # the setup's requests lost a cancel (bus.tasks): end now, or the watch would
+                # outlive its consumer's stop
+                raise asyncio.CancelledError
             async for entry in watcher:
                 if entry is None:  # end of the initial snapshot
                     continue

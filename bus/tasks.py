@@ -53,14 +53,20 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Future[object]], *, timeout: f
     return pending
 
 
+def cancels() -> int:
+    """How many cancels the current task has been asked for (0 outside a task); compare two
+    readings around an await to see whether it lost one."""
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None else 0
+
+
 async def honouring_cancel(aw: Awaitable[T]) -> T:
     """``await aw``, but raise ``CancelledError`` if the task was cancelled meanwhile and ``aw``
     returned anyway. Only a cancel requested *during* the await counts: cleanup that runs after a
     cancel was handled (a ``finally`` that deregisters) must still be able to make requests."""
-    task = asyncio.current_task()
-    before = task.cancelling() if task is not None else 0
+    asked = cancels()
     result = await aw
-    if task is not None and task.cancelling() > before:
+    if cancels() > asked:
         raise asyncio.CancelledError
     return result
 
