@@ -8,6 +8,9 @@ import os
 import struct
 import time
 from collections.abc import Callable
+from typing import Any
+
+from openai import AsyncOpenAI
 
 
 async def eventually(cond: Callable[[], object], timeout: float = 5.0) -> None:
@@ -51,3 +54,11 @@ def alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def openai_client(base_url: str, **kw: Any) -> AsyncOpenAI:
+    """An async OpenAI client on ``base_url`` (the server root) as the tests use it: no retries (a
+    test sees the first answer) and a 60 s timeout (a hang fails in a minute, not the library's 10)."""
+    kw.setdefault("timeout", 60)
+    kw.setdefault("api_key", "none")
+    return AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", max_retries=0, **kw)

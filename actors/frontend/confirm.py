@@ -20,7 +20,6 @@ import contextlib
 import logging
 
 from actors.worker import contract as C
-from actors.worker.contract import InstanceRecord
 from bus import rpc
 from bus.context import BusContext
 from bus.errors import Unavailable
@@ -93,7 +92,7 @@ class InstanceConfirmer:
             if self._probing.get(key) is asyncio.current_task():
                 del self._probing[key]
 
-    async def _answers(self, rec: InstanceRecord) -> bool | None:
+    async def _answers(self, rec: C.InstanceRecord) -> bool | None:
         """Ask the instance itself (its stats verb): True if it answered, False if no process is
         there to answer (a verdict), None if unsure (busy, reconnecting: ask again later)."""
         try:

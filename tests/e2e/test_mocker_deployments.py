@@ -20,6 +20,7 @@ import pytest
 from openai import APIError, AsyncOpenAI, OpenAI
 
 from tests.e2e.conftest import PREFILL_HEADER, WORKER_HEADER, Deployment, boot, http_json, http_text, shutdown
+from tests.helpers import openai_client
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about the sea and a lighthouse keeper."}]
 NO_EOS = {"ignore_eos": True}
@@ -30,7 +31,7 @@ def client(d: Deployment) -> OpenAI:
 
 
 def aclient(d: Deployment) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=30)
+    return openai_client(d.url, timeout=30)
 
 
 async def nats_req(nc: nats.NATS, subject: str, body: dict[str, Any], timeout: float = 10) -> dict[str, Any]:

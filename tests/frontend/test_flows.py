@@ -18,12 +18,13 @@ from actors.worker.contract import LoraRecord
 from bus.registry import Registry
 from supervisors.topology import ModelConfig
 from tests.frontend.conftest import ScriptedWorker
+from tests.helpers import openai_client
 
 MODEL = "tiny"
 
 
 def client(d: Any) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=d.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(d.url)
 
 
 async def until(cond: Any, timeout: float = 5.0) -> None:

@@ -18,13 +18,14 @@ from actors.kv.publisher import KvPublisherActor
 from actors.worker.engine_actor import EngineActor
 from bus.context import BusContext
 from supervisors.topology import FrontendConfig, ModelConfig, PoolConfig
+from tests.helpers import openai_client
 
 MODEL = ModelConfig(name="tiny", path="tiny")
 ARGS = {"speedup_ratio": "inf", "max_model_len": 1024, "block_size": 16}
 
 
 def client(fe: FrontendActor) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(f"http://127.0.0.1:{fe.port}")
 
 
 @pytest.fixture

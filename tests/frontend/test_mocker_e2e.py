@@ -7,7 +7,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from openai import AsyncOpenAI
 
 from actors.engines.mocker import MockerEngine
 from actors.frontend.actor import FrontendActor
@@ -15,6 +14,7 @@ from actors.frontend.app import WORKER_HEADER
 from actors.worker.engine_actor import EngineActor
 from bus.context import BusContext
 from supervisors.topology import FrontendConfig, ModelConfig, PoolConfig
+from tests.helpers import openai_client
 
 MODEL = ModelConfig(name="tiny", path="tiny")
 ARGS = {"speedup_ratio": "inf", "max_model_len": 512, "block_size": 16}
@@ -47,7 +47,7 @@ async def stack(bus: BusContext, tiny_dir: str) -> AsyncIterator[tuple[FrontendA
 
 async def test_openai_client_against_mocker(stack: Any) -> None:
     fe, workers = stack
-    c = AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0, timeout=60)
+    c = openai_client(f"http://127.0.0.1:{fe.port}")
     seen = set()
     for _ in range(2):
         raw = await c.chat.completions.with_raw_response.create(

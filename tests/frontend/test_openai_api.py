@@ -11,13 +11,13 @@ import pytest
 from openai import AsyncOpenAI
 
 from actors.frontend.app import WORKER_HEADER
+from tests.helpers import openai_client
 
 MODEL = "tiny"  # served name the scripted workers register (conftest)
 
 
 def client(d: Any, **kw) -> AsyncOpenAI:
-    kw.setdefault("timeout", 60)
-    return AsyncOpenAI(base_url=d.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, **kw)
+    return openai_client(d.url, **kw)
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from actors.worker.engine_factory import build_engine
 from bus.context import open_context
 from bus.embedded import EmbeddedNats
 from supervisors.topology import FrontendConfig, ModelConfig, PoolConfig
+from tests.helpers import openai_client
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
@@ -50,8 +51,7 @@ async def stack(nats_server: EmbeddedNats) -> AsyncIterator[tuple[AsyncOpenAI, E
         await asyncio.sleep(0.05)
     await fe.app._preprocessor(fe.workers.models["tiny"])
     try:
-        yield AsyncOpenAI(base_url=f"http://127.0.0.1:{fe.port}/v1", api_key="none", max_retries=0,
-                          timeout=120), worker
+        yield openai_client(f"http://127.0.0.1:{fe.port}", timeout=120), worker
     finally:
         await fe.stop(2.0)
         await worker.stop(20.0)
