@@ -40,6 +40,12 @@ class BadRequest(RecoverableError):
     kind = "invalid_request_error"
 
 
+class Forbidden(RecoverableError):
+    """The request is well formed but this deployment does not allow it (an allow-list refused it)."""
+
+    code = 403
+
+
 class NotFound(RecoverableError):
     code = 404
     kind = "not_found_error"
@@ -110,7 +116,7 @@ class Escalation(FatalError):
 
 def error_from_code(message: str, code: int) -> ActorError:
     """Rebuild a typed error from a Nats-Service-Error-Code on the caller side."""
-    table: dict[int, type[ActorError]] = {400: BadRequest, 404: NotFound, 409: Conflict,
+    table: dict[int, type[ActorError]] = {400: BadRequest, 403: Forbidden, 404: NotFound, 409: Conflict,
                                           413: PayloadTooLarge}
     cls = table.get(code)
     if cls is not None:

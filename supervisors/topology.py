@@ -17,18 +17,40 @@ class _Strict(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class BusAuth(_Strict):
+    """How a process proves itself to NATS: one kind (token, user/password, nkey seed or creds).
+    Secrets are best given by file (``*_file``): a topology file is often world-readable, and a
+    ``--set`` value shows in the process list of the process it is given to."""
+
     token: str | None = None
+    token_file: str | None = None  # file holding the token (surrounding whitespace is dropped)
     user: str | None = None
     password: str | None = None
+    password_file: str | None = None
     nkey_seed: str | None = None  # path to an nkey seed file
-    creds: str | None = None  # path to a .creds file
+    creds: str | None = None  # path to a .creds file (user JWT + seed; needs an operator-mode server)
+
+    def kind(self) -> str | None:
+        """"token", "user", "nkey", "creds" or None (anonymous)."""
+        if self.token is not None or self.token_file is not None:
+            return "token"
+        if self.user is not None:
+            return "user"
+        if self.nkey_seed is not None:
+            return "nkey"
+        if self.creds is not None:
+            return "creds"
+        return None
 
 
 class BusTLS(_Strict):
-    ca_file: str | None = None
-    cert_file: str | None = None
+    ca_file: str | None = None  # CA that signed the server's certificate (and clients', see below)
+    cert_file: str | None = None  # client certificate (servers that verify clients)
     key_file: str | None = None
-    hostname: str | None = None
+    hostname: str | None = None  # name to verify the server's certificate against
+    # the embedded nats-server's own certificate: set both to make it require TLS
+    server_cert_file: str | None = None
+    server_key_file: str | None = None
+    verify_clients: bool = False  # embedded server: require client certificates signed by ca_file
 
 
 class BusConfig(_Strict):
@@ -38,7 +60,13 @@ class BusConfig(_Strict):
     port: int = 4222
     store_dir: str | None = None  # JetStream store of the embedded server (default under run dir)
     auth: BusAuth = msgspec.field(default_factory=BusAuth)
+    # what worker processes connect with (per-role users); default: ``auth``
+    worker_auth: BusAuth | None = None
     tls: BusTLS | None = None
+    # embedded server: a nats-server config file it includes (users and their permissions,
+    # accounts, an operator and resolver for creds). With it, the file alone decides who may
+    # connect; without it, the embedded server admits exactly ``auth``.
+    server_config: str | None = None
 
 
 class ModelConfig(_Strict):
@@ -78,7 +106,10 @@ class FrontendConfig(_Strict):
     http: str = "127.0.0.1:8000"
     router: Literal["round_robin", "random", "direct", "kv"] = "round_robin"
     host: str = "local"
-    api_key: str | None = None
+    api_key: str | None = None  # bearer key for /v1/* (prefer api_key_file or api_key_env)
+    api_key_file: str | None = None  # file holding the key
+    api_key_env: str | None = None  # name of an environment variable holding the key
+    metrics_auth: bool = False  # /metrics needs the key too (/health and /live stay open)
     max_body_bytes: int = 8 << 20
     router_temperature: float = 0.0
     prefill_load_scale: float = 1.0
@@ -106,6 +137,11 @@ class SleepConfig(_Strict):
 class LoraConfig(_Strict):
     roots: list[str] = []  # file:// adapters must live under one of these
     cache_dir: str | None = None  # where http(s) adapters are downloaded
+    # http(s) adapters only from these: a host ("hub.example.com", "10.0.0.5:8080") or a URL
+    # prefix ("https://hub.example.com/loras/"). Empty: no http(s) adapter is fetched.
+    allow_urls: list[str] = []
+    max_download_bytes: int = 4 << 30  # per adapter (all its files together)
+    download_timeout: float = 600.0  # seconds for one adapter's whole download
     identity_adapter: bool | None = None  # route base rows through a zero adapter (CPU mixed-batch bug)
 
 
