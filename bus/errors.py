@@ -44,6 +44,7 @@ class Forbidden(RecoverableError):
     """The request is well formed but this deployment does not allow it (an allow-list refused it)."""
 
     code = 403
+    kind = "permission_error"
 
 
 class NotFound(RecoverableError):
