@@ -30,6 +30,7 @@ from supervisors.tree import (
     pending_hooks,
     plan_host,
 )
+from supervisors.workers import PoolSpawner
 
 log = logging.getLogger("actors.supervisor")
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{t.bus.url or f'embedded nats-server on 127.0.0.1:{t.bus.port}'}")
         for h in ([args.host] if args.host else t.hosts()):
             print("\n".join(describe_plan(plan_host(t, h, args.topology, args.overrides,
-                                                    control=_control_factory(None)), t)))
+                                                    control=_control_factory(None, None)), t)))
         return EXIT_OK
     try:
         import uvloop
@@ -97,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     return runner(boot(t, args.topology, args.overrides, name, hosts))
 
 
-def _control_factory(root_ref: list[Any] | None) -> Callable[[BusLink], Any] | None:
+def _control_factory(root_ref: list[Any] | None,
+                     spawner: PoolSpawner | None) -> Callable[[BusLink], Any] | None:
     """The root's micro service (supervisors.service), when that module is present."""
     try:
         from supervisors import service  # noqa: F401
@@ -105,7 +107,7 @@ def _control_factory(root_ref: list[Any] | None) -> Callable[[BusLink], Any] | N
         return None
 
     def make(link: BusLink) -> Any:
-        return ControlChild(link, root_ref[0])
+        return ControlChild(link, root_ref[0], spawner)
 
     return make
 
@@ -116,11 +118,11 @@ class ControlChild:
 
     name = "control"
 
-    def __init__(self, link: BusLink, root: Any) -> None:
+    def __init__(self, link: BusLink, root: Any, spawner: PoolSpawner | None) -> None:
         from supervisors.service import SupervisorService
-        # spawn over NATS (operators, a planner) may only add worker processes of this install
-        self.svc = SupervisorService(link.child_ctx(), root,
-                                     allowed_commands=[(sys.executable, "-m", "actors.worker.process")])
+        # spawn over NATS (operators, a planner) adds a replica of a pool this root runs, built
+        # from the topology: the message names the pool, never a command
+        self.svc = SupervisorService(link.child_ctx(), root, spawner=spawner.spec if spawner else None)
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
@@ -141,7 +143,7 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
 
     root_ref: list[Any] = []
     plan: HostPlan = plan_host(t, name, topology_path, overrides, hosts=hosts,
-                               control=_control_factory(root_ref))
+                               control=_control_factory(root_ref, PoolSpawner(t, topology_path, overrides, hosts)))
     for h in hosts:
         for missing in pending_hooks(t, h):
             log.warning("host %s: %s: not started", h, missing)

@@ -4,29 +4,29 @@ JSON in, JSON out, no headers needed, so an operator can drive it with plain ``n
 
     nats req dynamo.supervisor.local.children ''
     nats req dynamo.supervisor.local.restart '{"id": "worker-0"}'
-    nats req dynamo.supervisor.local.spawn '{"id": "w3", "argv": ["python", "-m", "..."]}'
+    nats req dynamo.supervisor.local.spawn '{"pool": "agg"}'
 
-Logic stays in ``Supervisor``; this module only decodes, calls and replies.
+``spawn`` names a pool of the topology (and optionally a replica index), never a command: only a
+root supervisor given a ``spawner`` (``supervisors.workers.PoolSpawner``) adds children, and only
+the ones its topology describes. Logic stays in ``Supervisor``; this module decodes, calls, replies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
 
 from bus import codec
 from bus.context import BusContext
-from bus.errors import ActorError, BadRequest, Conflict, NotFound
+from bus.errors import ActorError, BadRequest, NotFound
 from bus.micro import EndpointSpec, ServiceHandle, add_service
 from bus.rpc import respond
-from supervisors.child import ChildSpec, Restart
-from supervisors.process import ProcessChild
+from supervisors.child import ChildSpec
 from supervisors.slot import describe
 from supervisors.supervisor import Supervisor
 
@@ -55,24 +55,15 @@ class EscalateRequest(_Req):
 
 
 class SpawnRequest(_Req):
-    """An OS-process child; readiness by sd_notify READY=1 unless ``ready`` is "spawn"."""
+    """Add a replica of a pool this supervisor runs; ``replica`` None = the lowest free index."""
 
-    id: str
-    argv: list[str]
-    env: dict[str, str] = {}
-    cwd: str | None = None
-    restart: Restart = "permanent"
-    shutdown: float | Literal["brutal_kill"] = 10.0
-    ready: Literal["notify", "spawn"] = "notify"
-    ready_timeout: float = 120.0
-    meta: dict[str, str] = {}
-    wait: bool = True
+    pool: str
+    replica: int | None = None
+    wait: bool = True  # reply once the worker is ready; False: reply at once ("accepted")
 
 
-def _allows(allowed: str | Sequence[str], argv: Sequence[str]) -> bool:
-    if isinstance(allowed, str):
-        return argv[0] == allowed
-    return list(argv[:len(allowed)]) == list(allowed)
+# (pool, replica or None, the supervisor's child ids) -> the new child's spec, or a typed error
+Spawner = Callable[[str, int | None, Collection[str]], ChildSpec]
 
 
 class SupervisorService:
@@ -80,18 +71,13 @@ class SupervisorService:
     ``node`` is given, for a supervisor nested under the host's root)."""
 
     def __init__(self, ctx: BusContext, supervisor: Supervisor, *, node: str | None = None,
-                 log_dir: str | None = None, base_env: Mapping[str, str] | None = None,
-                 allowed_commands: Sequence[str | Sequence[str]] | None = None,
-                 version: str = "0.1.0") -> None:
-        """``allowed_commands``: what ``spawn`` may run — an executable (argv[0]) or an argv prefix
-        such as ``(python, "-m", "actors.worker.process")``; None allows anything."""
+                 spawner: Spawner | None = None, version: str = "0.1.0") -> None:
+        """``spawner``: builds the child a ``spawn`` asks for from the topology; None: this
+        supervisor's children are fixed and ``spawn`` is refused."""
         self.ctx = ctx
         self.sup = supervisor
         self.node = node
-        self.log_dir = log_dir
-        self.base_env = dict(base_env or {})
-        # spawn runs commands sent over the bus: NATS auth is the boundary, this list a second one
-        self.allowed_commands = list(allowed_commands) if allowed_commands is not None else None
+        self.spawner = spawner
         self.version = version
         self.handle: ServiceHandle | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -170,25 +156,15 @@ class SupervisorService:
 
     async def _spawn(self, msg: Msg) -> None:
         req = codec.decode(msg.data, msg.headers, type=SpawnRequest)
-        if not req.argv:
-            raise BadRequest("spawn: argv must not be empty")
-        if self.allowed_commands is not None and not any(_allows(a, req.argv) for a in self.allowed_commands):
-            raise BadRequest(f"spawn: command {' '.join(req.argv[:3])!r} is not allowed here")
-        if req.shutdown != "brutal_kill" and req.shutdown < 0:
-            raise BadRequest("spawn: shutdown must be >= 0 or \"brutal_kill\"")
-        if self._child_view(req.id) is not None:
-            raise Conflict(f"supervisor {self.sup.name} already has a child {req.id!r}")
-        log_file = os.path.join(self.log_dir, f"{req.id}.log") if self.log_dir else None
-        env = {**self.base_env, **req.env}
-
-        def make() -> ProcessChild:
-            return ProcessChild(req.id, req.argv, env=env, cwd=req.cwd, log_file=log_file,
-                                ready=req.ready, ready_timeout=req.ready_timeout)
-        spec = ChildSpec(id=req.id, start=make, restart=req.restart, shutdown=req.shutdown,
-                         meta={**req.meta, "argv": " ".join(req.argv)})
-        await self._run(self.sup.spawn(spec), req.wait, f"spawn of {req.id}")
+        if self.spawner is None:
+            raise BadRequest(f"spawn: supervisor {self.sup.name} has a fixed set of children; a pool "
+                             f"replica is added by its host's root supervisor "
+                             f"({self.ctx.subjects.supervisor(self.ctx.host, 'spawn')})")
+        spec = self.spawner(req.pool, req.replica, [c["id"] for c in self.sup.children()])
+        log.info("supervisor %s: spawn of %s (pool %s) requested over the bus", self.sup.name, spec.id, req.pool)
+        await self._run(self.sup.spawn(spec), req.wait, f"spawn of {spec.id}")
         await respond(msg, {"status": "ok" if req.wait else "accepted",
-                            "child": self._child_view(req.id)})
+                            "child": self._child_view(spec.id)})
 
     async def _stop(self, msg: Msg) -> None:
         req = codec.decode(msg.data, msg.headers, type=StopRequest)

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +33,10 @@ from typing import Any
 
 from supervisors.child import Child, ChildSpec
 from supervisors.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
+from supervisors.workers import bus_url, embeds_nats, worker_spec
+
+__all__ = ["BusLink", "HostPlan", "Node", "build_host_tree", "bus_url", "describe_plan", "embeds_nats",
+           "pending_hooks", "plan_host", "run_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +49,6 @@ def run_dir(t: Topology) -> Path:
     if t.run_dir:
         return Path(t.run_dir).expanduser()
     return Path("~/.cache/vllm-actors/run").expanduser() / t.namespace
-
-
-def embeds_nats(t: Topology) -> bool:
-    return t.bus.url is None
-
-
-def bus_url(t: Topology) -> str:
-    return t.bus.url or f"nats://127.0.0.1:{t.bus.port}"
 
 
 class BusLink:
@@ -215,47 +210,12 @@ def _echo_node(t: Topology, host: str, link: BusLink, multi: bool) -> Node:
                           t.supervisor.drain_timeout), "actor", f"EchoActor instance {host}")
 
 
-def worker_argv(topology_path: str | Path, pool: str, replica: int, overrides: list[str],
-                t: Topology) -> list[str]:
-    argv = [sys.executable, "-m", "actors.worker.process", "--topology", str(Path(topology_path).resolve()),
-            "--pool", pool, "--replica", str(replica)]
-    for o in overrides:
-        argv += ["--set", o]
-    if embeds_nats(t):
-        # the worker joins this host's embedded server instead of embedding its own
-        argv += ["--set", f"bus.url={bus_url(t)}"]
-    return argv
-
-
-def worker_child_id(pool: str, replica: int) -> str:
-    """The root's child id of a worker process (also the worker supervisor's name, and what the
-    frontend's readiness looks up in the children views)."""
-    return f"worker-{pool}-{replica}"
-
-
 def _worker_nodes(t: Topology, name: str, pool: PoolConfig, topology_path: str | Path,
                   overrides: list[str]) -> list[Node]:
     nodes = []
-    # engines load for minutes; the mocker is up in seconds
-    ready_timeout = 60.0 if pool.engine == "mocker" else 900.0
     for i in range(pool.replicas):
-        argv = worker_argv(topology_path, name, i, overrides, t)
-        cid = worker_child_id(name, i)
-
-        def start(cid: str = cid, argv: list[str] = argv) -> Child:
-            from supervisors.process import EXIT_DONE, ProcessChild
-            return ProcessChild(cid, argv, env=pool.env, ready_timeout=ready_timeout,
-                                normal_exit_codes=(0, EXIT_DONE))
-
-        # the worker's own shutdown drains in-flight requests first, then stops its engine
-        shutdown = pool.supervisor.shutdown_timeout + pool.sleep.drain_timeout
-        # checkpoint pools: a worker whose snapshot was taken exits for good (not restarted)
-        restart = "transient" if pool.checkpoint.control_dir else "permanent"
-        # workers depend on no sibling worker: their engines load at once (after nats and inproc)
-        nodes.append(Node(ChildSpec(cid, start, restart, shutdown,
-                                    meta={"pool": name, "replica": str(i), "role": pool.role,
-                                          "engine": pool.engine}, parallel=True),
-                          "process", f"{pool.role} {pool.engine} worker: {' '.join(argv[1:])}"))
+        spec, argv = worker_spec(t, name, i, topology_path, overrides)
+        nodes.append(Node(spec, "process", f"{pool.role} {pool.engine} worker: {' '.join(argv[1:])}"))
     return nodes
 
 

@@ -48,7 +48,7 @@ from supervisors.service import SupervisorService
 from supervisors.supervisor import Supervisor
 from supervisors.topology import PoolConfig, Topology
 from supervisors.topology_loader import TopologyError, load_topology
-from supervisors.tree import worker_child_id
+from supervisors.workers import MAX_REPLICA, overrides_from_env, worker_child_id
 
 log = logging.getLogger(__name__)
 
@@ -299,16 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s [{args.pool}-{args.replica}] %(name)s: %(message)s")
     try:
-        t = load_topology(args.topology, args.overrides)
-    except TopologyError as e:
+        # the supervisor's overrides come by environment (they may hold secrets), ours after them
+        t = load_topology(args.topology, [*overrides_from_env(), *args.overrides])
+    except (TopologyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.pool not in t.pools:
         print(f"error: no pool {args.pool!r} in {args.topology} (pools: {', '.join(t.pools) or 'none'})",
               file=sys.stderr)
         return EXIT_USAGE
-    if not 0 <= args.replica < max(1, t.pools[args.pool].replicas):
-        print(f"error: replica {args.replica} out of range for pool {args.pool}", file=sys.stderr)
+    # replicas beyond pools.<p>.replicas are legal: a pool scaled up at run time (spawn)
+    if not 0 <= args.replica <= MAX_REPLICA:
+        print(f"error: replica {args.replica} out of range (0..{MAX_REPLICA})", file=sys.stderr)
         return EXIT_USAGE
     try:
         import uvloop

@@ -17,6 +17,7 @@ from bus.errors import BadRequest, Conflict, Escalation, NotFound
 from bus.rpc import request
 from supervisors.backoff import Backoff
 from supervisors.child import ChildSpec
+from supervisors.process import ProcessChild
 from supervisors.service import serve_supervisor
 from supervisors.supervisor import Supervisor
 
@@ -54,12 +55,29 @@ async def until(cond: Any, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.02)
 
 
+# What the test's "topology" describes: pool "p" is a process that reports ready, pool "bad" one that
+# exits at once. A spawn picks one by name; the command is ours, never the message's.
+_POOLS = {"p": [sys.executable, "-c", READY], "bad": [sys.executable, "-c", "raise SystemExit(4)"]}
+
+
+def _spawner(pool: str, replica: int | None, taken: Any) -> ChildSpec:
+    if pool not in _POOLS:
+        raise NotFound(f"no pool {pool!r}")
+    cid = f"{pool}-{replica or 0}"
+    if cid in taken:
+        raise Conflict(f"{cid} exists")
+
+    def start() -> ProcessChild:
+        return ProcessChild(cid, _POOLS[pool], env={"PYTHONPATH": str(ROOT)}, ready_timeout=20)
+    return ChildSpec(cid, start, "temporary" if pool == "bad" else "permanent", 2.0)
+
+
 @pytest.fixture
 async def served(bus: Any):
     sup = Supervisor("host", [ChildSpec("a", lambda: Dummy("a"))],
                      backoff=Backoff(initial=0.01, jitter=0), intensity=10)
     await sup.start()
-    svc = await serve_supervisor(bus, sup, base_env={"PYTHONPATH": str(ROOT)})
+    svc = await serve_supervisor(bus, sup, spawner=_spawner)
     yield sup, svc
     await svc.stop()
     await sup.stop(5)
@@ -85,46 +103,63 @@ async def test_children_and_restart(bus: Any, served: Any) -> None:
     assert headers.get("Nats-Service-Error-Code") == "400"
 
 
-async def test_spawn_stop_process_child(bus: Any, served: Any) -> None:
+async def test_spawn_by_pool_then_stop(bus: Any, served: Any) -> None:
     sup, svc = served
     s = bus.subjects
-    spec = {"id": "w1", "argv": [sys.executable, "-c", READY], "shutdown": 2, "ready_timeout": 20}
-    reply, headers = await raw(bus, s.supervisor(bus.host, "spawn"), json.dumps(spec))
+    reply, headers = await raw(bus, s.supervisor(bus.host, "spawn"), '{"pool": "p"}')
     assert reply is not None, headers
     child = reply["child"]
-    assert reply["status"] == "ok" and child["state"] == "running" and child["pid"]
+    assert reply["status"] == "ok" and child["id"] == "p-0" and child["state"] == "running" and child["pid"]
     pid = child["pid"]
     with pytest.raises(Conflict):
-        await request(bus.nc, s.supervisor(bus.host, "spawn"), spec)
+        await request(bus.nc, s.supervisor(bus.host, "spawn"), {"pool": "p", "replica": 0})
+    with pytest.raises(NotFound):
+        await request(bus.nc, s.supervisor(bus.host, "spawn"), {"pool": "nope"})
 
     os.kill(pid, signal.SIGKILL)  # the supervisor restarts it (permanent)
-    await until(lambda: sup.child("w1")["pid"] not in (None, pid)
-                and sup.child("w1")["state"] == "running")
-    new_pid = sup.child("w1")["pid"]
+    await until(lambda: sup.child("p-0")["pid"] not in (None, pid)
+                and sup.child("p-0")["state"] == "running")
+    new_pid = sup.child("p-0")["pid"]
 
-    reply, _ = await raw(bus, s.supervisor(bus.host, "stop"), '{"id": "w1", "remove": true}')
+    reply, _ = await raw(bus, s.supervisor(bus.host, "stop"), '{"id": "p-0", "remove": true}')
     assert reply == {"status": "ok", "child": None}
     assert [c["id"] for c in sup.children()] == ["a"]
     with pytest.raises(ProcessLookupError):
         os.kill(new_pid, 0)
 
-    bad = {"id": "w2", "argv": [sys.executable, "-c", "raise SystemExit(4)"], "restart": "temporary"}
-    _, headers = await raw(bus, s.supervisor(bus.host, "spawn"), json.dumps(bad))
+    _, headers = await raw(bus, s.supervisor(bus.host, "spawn"), '{"pool": "bad"}')
     assert "exited with code 4" in headers.get("Nats-Service-Error", "")
 
 
-async def test_spawn_allow_list(bus: Any) -> None:
+async def test_spawn_never_runs_a_command_from_the_message(bus: Any, served: Any, tmp_path: Path) -> None:
+    """The payload that used to run /usr/bin/touch: refused as a bad request, nothing runs."""
+    sup, _svc = served
+    marker = tmp_path / "pwned"
+    old = {"id": "p", "argv": ["/usr/bin/touch", str(marker)], "restart": "temporary", "ready": "spawn"}
+    for payload in (old, {"pool": "p", "argv": ["/usr/bin/touch", str(marker)]}):
+        reply, headers = await raw(bus, bus.subjects.supervisor(bus.host, "spawn"), json.dumps(payload))
+        assert reply is None and headers.get("Nats-Service-Error-Code") == "400", headers
+        assert "unknown field" in headers["Nats-Service-Error"]
+    await asyncio.sleep(0.3)
+    assert not marker.exists()
+    assert [c["id"] for c in sup.children()] == ["a"]
+
+
+async def test_spawn_refused_without_a_spawner(bus: Any, tmp_path: Path) -> None:
+    """A nested supervisor (a worker process's) has a fixed set of children: spawn is refused."""
     sup = Supervisor("node", [], backoff=Backoff(initial=0.01, jitter=0))
     await sup.start()
-    svc = await serve_supervisor(bus, sup, node="w0",
-                                 allowed_commands=["/bin/true", (sys.executable, "-m", "actors.worker.process")])
+    svc = await serve_supervisor(bus, sup, node="w0")
     try:
         subject = bus.subjects.supervisor_node(bus.host, "w0", "spawn")
-        for argv in (["/bin/sh", "-c", "echo pwned"], [sys.executable, "-c", "print('pwned')"],
-                     [sys.executable, "-m", "actors.other"]):
-            with pytest.raises(BadRequest, match="not allowed"):
-                await request(bus.nc, subject, {"id": "x", "argv": argv})
-        assert sup.children() == []
+        with pytest.raises(BadRequest, match="fixed set of children"):
+            await request(bus.nc, subject, {"pool": "agg"})
+        marker = tmp_path / "x"
+        reply, headers = await raw(bus, subject, json.dumps(
+            {"id": "p", "argv": ["/usr/bin/touch", str(marker)], "restart": "temporary", "ready": "spawn"}))
+        assert reply is None and headers.get("Nats-Service-Error-Code") == "400"
+        await asyncio.sleep(0.3)
+        assert sup.children() == [] and not marker.exists()
     finally:
         await svc.stop()
         await sup.stop(5)

@@ -1,0 +1,125 @@
+"""Worker processes as the root supervisor's children: their command, their child spec, and the
+only way to add one at run time (``PoolSpawner``: a pool and a replica index, never a command).
+
+Why no command ever comes from a message: whoever reaches the bus would run what they like as the
+deployment's user. A spawn names a pool of the topology; the command is built here from the
+topology file this process was started with, exactly as at start-up.
+
+``--set`` overrides travel to the worker in the environment (``OVERRIDES_ENV``), not on its
+command line: they may carry secrets (``bus.auth.password=...``), and any local user can read
+another process's command line, while its environment is readable by its owner alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Collection
+from pathlib import Path
+
+from bus.errors import BadRequest, Conflict, NotFound
+from supervisors.child import Child, ChildSpec
+from supervisors.topology import PoolConfig, Topology
+
+OVERRIDES_ENV = "VLLM_ACTORS_SET"  # JSON list of "key.path=value" overrides for a worker process
+MAX_REPLICA = 1023  # replica indices a spawn may ask for (ports and names are derived from them)
+
+
+def embeds_nats(t: Topology) -> bool:
+    return t.bus.url is None
+
+
+def bus_url(t: Topology) -> str:
+    return t.bus.url or f"nats://127.0.0.1:{t.bus.port}"
+
+
+def worker_child_id(pool: str, replica: int) -> str:
+    """The root's child id of a worker process (also the worker supervisor's name, and what the
+    frontend's readiness looks up in the children views)."""
+    return f"worker-{pool}-{replica}"
+
+
+def worker_argv(topology_path: str | Path, pool: str, replica: int) -> list[str]:
+    return [sys.executable, "-m", "actors.worker.process", "--topology", str(Path(topology_path).resolve()),
+            "--pool", pool, "--replica", str(replica)]
+
+
+def worker_overrides(t: Topology, overrides: list[str]) -> list[str]:
+    if embeds_nats(t):
+        # the worker joins this host's embedded server instead of embedding its own
+        return [*overrides, f"bus.url={bus_url(t)}"]
+    return list(overrides)
+
+
+def worker_env(t: Topology, pool: PoolConfig, overrides: list[str]) -> dict[str, str]:
+    return {**pool.env, OVERRIDES_ENV: json.dumps(worker_overrides(t, overrides))}
+
+
+def overrides_from_env(env: dict[str, str] | None = None) -> list[str]:
+    """The overrides a worker was given by its supervisor (empty when started by hand)."""
+    import os
+    raw = (env if env is not None else os.environ).get(OVERRIDES_ENV)
+    if not raw:
+        return []
+    value = json.loads(raw)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{OVERRIDES_ENV} must be a JSON list of strings")
+    return value
+
+
+def worker_spec(t: Topology, name: str, replica: int, topology_path: str | Path,
+                overrides: list[str]) -> tuple[ChildSpec, list[str]]:
+    """(child spec, argv) of replica ``replica`` of pool ``name``."""
+    pool = t.pools[name]
+    argv = worker_argv(topology_path, name, replica)
+    cid = worker_child_id(name, replica)
+    env = worker_env(t, pool, overrides)
+    # engines load for minutes; the mocker is up in seconds
+    ready_timeout = 60.0 if pool.engine == "mocker" else 900.0
+
+    def start() -> Child:
+        from supervisors.process import EXIT_DONE, ProcessChild
+        return ProcessChild(cid, argv, env=env, ready_timeout=ready_timeout,
+                            normal_exit_codes=(0, EXIT_DONE))
+
+    # the worker's own shutdown drains in-flight requests first, then stops its engine
+    shutdown = pool.supervisor.shutdown_timeout + pool.sleep.drain_timeout
+    # checkpoint pools: a worker whose snapshot was taken exits for good (not restarted)
+    restart = "transient" if pool.checkpoint.control_dir else "permanent"
+    # workers depend on no sibling worker: their engines load at once (after nats and inproc)
+    spec = ChildSpec(cid, start, restart, shutdown, parallel=True,
+                     meta={"pool": name, "replica": str(replica), "role": pool.role, "engine": pool.engine})
+    return spec, argv
+
+
+class PoolSpawner:
+    """Adds a replica of a pool this root runs: what ``spawn`` on the root's micro service does.
+
+    The request names a pool and (optionally) a replica index; the host is the supervisor's own
+    (its subject names it). Everything else comes from the topology."""
+
+    def __init__(self, t: Topology, topology_path: str | Path, overrides: list[str],
+                 shares: Collection[str]) -> None:
+        self.t = t
+        self.topology_path = topology_path
+        self.overrides = list(overrides)
+        self.shares = set(shares)
+
+    def spec(self, pool: str, replica: int | None, taken: Collection[str]) -> ChildSpec:
+        """The child spec for the new replica, or a typed error (the pool is unknown, runs on
+        another host, or the replica exists already). ``taken``: the supervisor's child ids."""
+        cfg = self.t.pools.get(pool)
+        if cfg is None:
+            raise NotFound(f"spawn: no pool {pool!r} in the topology (pools: {', '.join(self.t.pools) or 'none'})")
+        if cfg.host not in self.shares:
+            raise BadRequest(f"spawn: pool {pool!r} runs on host {cfg.host!r}; ask that host's supervisor")
+        if replica is None:
+            replica = next(i for i in range(MAX_REPLICA + 2) if worker_child_id(pool, i) not in taken)
+        if not 0 <= replica <= MAX_REPLICA:
+            raise BadRequest(f"spawn: replica must be between 0 and {MAX_REPLICA}")
+        if cfg.status_port is not None and cfg.status_port + replica > 65535:
+            raise BadRequest(f"spawn: replica {replica}'s status port {cfg.status_port + replica} exceeds 65535")
+        if worker_child_id(pool, replica) in taken:
+            raise Conflict(f"spawn: replica {replica} of pool {pool!r} exists already "
+                           f"({worker_child_id(pool, replica)})")
+        return worker_spec(self.t, pool, replica, self.topology_path, self.overrides)[0]
