@@ -28,6 +28,7 @@ from actors.worker.contract import (
     StatusReply,
 )
 from actors.worker.lora_manager import LoraManager
+from actors.worker.lora_source import FetchPolicy
 from bus import rpc
 from bus.context import BusContext
 from bus.errors import RemoteError
@@ -116,7 +117,7 @@ class LoraActor(Actor):
         self._store = _RegistryStore(self)
         self.manager = LoraManager(_EngineOverNats(bus, worker_instance), self._store,
                                    roots=config.roots, cache_dir=config.cache_dir or cache_dir,
-                                   max_loras=max_loras)
+                                   max_loras=max_loras, fetch=fetch_policy(config, pool_name))
 
     def endpoints(self) -> list[Endpoint]:
         w = lambda verb: self.bus.subjects.worker(self.worker_instance, verb)  # noqa: E731
@@ -154,6 +155,12 @@ class LoraActor(Actor):
     async def list(self, _req: Any, _h: Mapping[str, str]) -> dict[str, Any]:
         return {"instance": self.worker_instance,
                 "adapters": [msgspec.to_builtins(i) for i in self.manager.list()]}
+
+
+def fetch_policy(config: LoraConfig, pool_name: str) -> FetchPolicy:
+    """The pool's ``lora.allow_urls`` and download caps, as the adapter downloader applies them."""
+    return FetchPolicy(allow_urls=tuple(config.allow_urls), max_bytes=config.max_download_bytes,
+                       timeout=config.download_timeout, pool=pool_name)
 
 
 def worker_child(env: WorkerEnv) -> ChildSpec | None:

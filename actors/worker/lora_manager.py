@@ -53,11 +53,13 @@ def check_name(name: str) -> str:
 
 class LoraManager:
     def __init__(self, engine: LoraEngine, store: LoraStore, *, roots: list[str], cache_dir: str,
-                 max_loras: int) -> None:
+                 max_loras: int, fetch: lora_source.FetchPolicy | None = None) -> None:
         self._engine = engine
         self._store = store
         self._roots = roots
         self._cache_dir = cache_dir
+        # What http(s) adapters may be downloaded (pools.<pool>.lora.allow_urls and caps); none by default.
+        self._fetch = fetch or lora_source.FetchPolicy()
         self.max_loras = max_loras
         self._loaded: dict[str, LoraInfo] = {}
         self._locks: dict[str, aiorwlock.RWLock] = {}
@@ -101,7 +103,7 @@ class LoraManager:
                 self._reserved.discard(name)
 
     async def _load_reserved(self, name: str, uri: str) -> LoraInfo:
-        path, created = await lora_source.resolve(uri, self._roots, self._cache_dir)
+        path, created = await lora_source.resolve(uri, self._roots, self._cache_dir, self._fetch)
         info = LoraInfo(lora_name=name, lora_id=self._alloc_id(), path=str(path), uri=uri)
         added = False
         try:

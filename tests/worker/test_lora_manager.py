@@ -66,10 +66,11 @@ def roots(tmp_path: Path) -> Path:
     return root
 
 
-def manager(roots: Path, tmp_path: Path, max_loras: int = 2) -> tuple[LoraManager, RecordingEngine, DictStore]:
+def manager(roots: Path, tmp_path: Path, max_loras: int = 2, fetch: lora_source.FetchPolicy | None = None
+            ) -> tuple[LoraManager, RecordingEngine, DictStore]:
     eng, store = RecordingEngine(), DictStore()
     return LoraManager(eng, store, roots=[str(roots)], cache_dir=str(tmp_path / "cache"),
-                       max_loras=max_loras), eng, store
+                       max_loras=max_loras, fetch=fetch), eng, store
 
 
 def test_file_uri_inside_root(roots: Path) -> None:
@@ -181,7 +182,8 @@ async def test_http_download_retries_and_rollback(roots: Path, tmp_path: Path, a
     await web.TCPSite(runner, "127.0.0.1", aiohttp_port).start()
     base = f"http://127.0.0.1:{aiohttp_port}"
     try:
-        mgr, eng, _ = manager(roots, tmp_path, max_loras=4)
+        mgr, eng, _ = manager(roots, tmp_path, max_loras=4,
+                              fetch=lora_source.FetchPolicy(allow_urls=(f"127.0.0.1:{aiohttp_port}",)))
         info, _ = await mgr.load("net", f"{base}/flaky.tar.gz")
         assert hits["flaky"] == 3 and (Path(info.path) / "adapter_config.json").exists()
         info2, _ = await mgr.load("plain", f"{base}/plain")
@@ -198,7 +200,8 @@ async def test_http_download_retries_and_rollback(roots: Path, tmp_path: Path, a
 
 async def test_http_unreachable_gives_typed_error(tmp_path: Path, aiohttp_port: int) -> None:
     with pytest.raises(RemoteError, match="after 2 attempts"):
-        await lora_source.download(f"http://127.0.0.1:{aiohttp_port}/x.tgz", str(tmp_path), attempts=2)
+        await lora_source.download(f"http://127.0.0.1:{aiohttp_port}/x.tgz", str(tmp_path),
+                                   lora_source.FetchPolicy(allow_urls=(f"127.0.0.1:{aiohttp_port}",)), attempts=2)
 
 
 @pytest.fixture
