@@ -52,6 +52,20 @@ class Endpoint:
     queue_group: str | None = "q"
     metadata: dict[str, str] | None = None
     bounded: bool = True  # counts against max_concurrency (control endpoints may opt out)
+    # False: an empty payload is a 400 instead of ``{}`` — for verbs that change state, so a stray
+    # ``nats req <subject> ''`` cannot act. Such an endpoint needs a Struct request type that
+    # forbids unknown fields (see ``strict_struct``), so a misspelt field is refused too.
+    allow_empty: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.allow_empty and not strict_struct(self.request_type):
+            raise TypeError(f"endpoint {self.name!r}: allow_empty=False needs a msgspec Struct request type "
+                            f"with forbid_unknown_fields=True, not {self.request_type!r}")
+
+
+def strict_struct(t: Any) -> bool:
+    """A msgspec Struct type that refuses unknown fields."""
+    return isinstance(t, type) and issubclass(t, msgspec.Struct) and t.__struct_config__.forbid_unknown_fields
 
 
 class Actor:
@@ -217,7 +231,8 @@ class Actor:
     def _unary(self, ep: Endpoint) -> Callable[[Msg], Any]:
         async def handle(msg: Msg) -> None:
             headers = msg.headers or {}
-            req = decode_payload(msg.data, headers, ep.request_type)  # BadRequest -> 400 reply
+            # BadRequest -> 400 reply
+            req = decode_payload(msg.data, headers, ep.request_type, allow_empty=ep.allow_empty)
             reply = await ep.handler(req, headers)
             await respond(msg, reply if reply is not None else {})
 
@@ -226,7 +241,7 @@ class Actor:
     def _streaming(self, ep: Endpoint) -> Callable[[Msg], Any]:
         async def handle(msg: Msg) -> None:
             headers = msg.headers or {}
-            req = decode_payload(msg.data, headers, ep.request_type)
+            req = decode_payload(msg.data, headers, ep.request_type, allow_empty=ep.allow_empty)
             task = asyncio.current_task()
             assert task is not None
             self.cancels.track(request_id(msg), task)

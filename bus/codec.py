@@ -37,15 +37,26 @@ def headers_for(msgpack: bool) -> dict[str, str]:
     return dict(MSGPACK_HEADERS if msgpack else JSON_HEADERS)
 
 
-def decode(data: bytes, headers: Mapping[str, str] | None = None, type: type[T] | None = None) -> T | Any:
-    """Decode by Content-Type (default JSON). Empty JSON payload decodes to an empty object.
+EMPTY_NOT_ALLOWED = "empty payload: this verb needs a JSON object (send '{}' for the defaults)"
+
+
+def decode(data: bytes, headers: Mapping[str, str] | None = None, type: type[T] | None = None, *,
+           allow_empty: bool = True) -> T | Any:
+    """Decode by Content-Type (default JSON).
+
+    An empty payload decodes as an empty object (``{}``) when ``allow_empty``; otherwise it is a
+    BadRequest (the strict control verbs, which must not act on a stray empty message).
 
     Raises BadRequest with a message naming the offending field, so every actor turns malformed
-    input into a typed 400 instead of crashing.
+    input into a typed 400 instead of crashing (invalid UTF-8 inside a string included: msgspec
+    raises UnicodeDecodeError for it, not DecodeError).
     """
     mp = is_msgpack(headers)
-    if not data and not mp:
-        data = b"{}"
+    if not data:
+        if not allow_empty:
+            raise BadRequest(EMPTY_NOT_ALLOWED)
+        if not mp:
+            data = b"{}"
     try:
         if type is None:
             return _mp_dec.decode(data) if mp else _json_dec.decode(data)
@@ -56,6 +67,9 @@ def decode(data: bytes, headers: Mapping[str, str] | None = None, type: type[T] 
         raise BadRequest(f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
         raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: {e}") from None
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: invalid UTF-8 in a string "
+                         f"({e.reason})") from None
 
 
 def to_builtins(obj: Any) -> Any:

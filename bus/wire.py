@@ -22,10 +22,14 @@ _decoders: dict[tuple[bool, Any], Any] = {}
 
 
 # --- wire helpers (shared with bus.rpc) -----------------------------------------------------------
-def decode_payload(data: bytes, headers: Mapping[str, str] | None, type: Any = None) -> Any:
-    """Decode by Content-Type with cached typed decoders (hot path of streams)."""
-    if type is None:
-        return codec.decode(data, headers)
+def decode_payload(data: bytes, headers: Mapping[str, str] | None, type: Any = None, *,
+                   allow_empty: bool = True) -> Any:
+    """Decode by Content-Type with cached typed decoders (hot path of streams).
+
+    ``allow_empty=False``: an empty payload is a BadRequest instead of ``{}`` (strict control verbs).
+    """
+    if type is None or (not data and not allow_empty):
+        return codec.decode(data, headers, type, allow_empty=allow_empty)
     mp = codec.is_msgpack(headers)
     dec = _decoders.get((mp, type))
     if dec is None:
@@ -35,7 +39,7 @@ def decode_payload(data: bytes, headers: Mapping[str, str] | None, type: Any = N
         data = b"{}"
     try:
         return dec.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
         return codec.decode(data, headers, type)  # raises BadRequest with the precise message
 
 

@@ -44,7 +44,7 @@ class EchoActor(Actor):
         return [
             Endpoint(VERB_ECHO, s.echo(VERB_ECHO), self.echo, EchoRequest),
             Endpoint(VERB_STREAM, s.echo(VERB_STREAM), self.stream, StreamRequest, streaming=True),
-            Endpoint(VERB_CRASH, s.echo(VERB_CRASH), self.crash, CrashRequest, bounded=False),
+            Endpoint(VERB_CRASH, s.echo(VERB_CRASH), self.crash, CrashRequest, bounded=False, allow_empty=False),
         ]
 
     def statistics(self) -> dict[str, int]:

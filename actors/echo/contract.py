@@ -31,7 +31,9 @@ class StreamChunk(msgspec.Struct, kw_only=True, array_like=True):
     data: str = ""
 
 
-class CrashRequest(msgspec.Struct, kw_only=True):
+class CrashRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Strict: the endpoint refuses an empty payload and unknown fields (send ``{}``)."""
+
     reason: str = "crash requested"
 
 

@@ -75,8 +75,9 @@ class RouterEndpoints:
     def endpoints(self, subjects: Subjects) -> list[Endpoint]:
         s = subjects
         return [
-            Endpoint("route", s.router("route"), self.route, RouteRequest),
-            Endpoint("finish", s.router("finish"), self.finish, FinishRequest),
+            # strict: route may book load, finish releases it (empty payloads are a 400)
+            Endpoint("route", s.router("route"), self.route, RouteRequest, allow_empty=False),
+            Endpoint("finish", s.router("finish"), self.finish, FinishRequest, allow_empty=False),
             Endpoint("index_stats", s.router("index.stats"), self.index_stats, None, bounded=False),
             Endpoint("index_dump", s.router("index.dump"), self.index_dump, DumpRequest, bounded=False),
         ]

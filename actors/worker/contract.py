@@ -53,14 +53,28 @@ class GenerateChunk(EngineOutput, kw_only=True, omit_defaults=True):
     disaggregated_params: DisaggregatedParams | None = None
 
 
-class CancelRequest(msgspec.Struct, kw_only=True):
+class ControlRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of the requests of verbs that change state: unknown fields are refused (a typo such as
+    ``{"levle": 2}`` is a 400, not the defaults), and their endpoints refuse an empty payload
+    (``Endpoint(allow_empty=False)``): send ``{}`` for the defaults."""
+
+
+class CancelRequest(ControlRequest, kw_only=True):
     request_id: str
 
 
-class SleepRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+class SleepRequest(ControlRequest, kw_only=True, omit_defaults=True):
     level: int = 1
     mode: Literal["drain", "abort"] = "drain"
     drain_timeout: float | None = None
+
+
+class WakeUpRequest(ControlRequest, kw_only=True):
+    """Request of wake_up: no fields (``{}``)."""
+
+
+class ClearKvBlocksRequest(ControlRequest, kw_only=True):
+    """Request of clear_kv_blocks: no fields (``{}``)."""
 
 
 class StatusReply(msgspec.Struct, kw_only=True):
@@ -84,16 +98,16 @@ class HealthReply(msgspec.Struct, kw_only=True):
     stalled_for: float = 0.0  # seconds without any engine output while requests are in flight
 
 
-class LoraSource(msgspec.Struct, kw_only=True):
+class LoraSource(ControlRequest, kw_only=True):
     uri: str
 
 
-class LoraLoadRequest(msgspec.Struct, kw_only=True):
+class LoraLoadRequest(ControlRequest, kw_only=True):
     lora_name: str
     source: LoraSource
 
 
-class LoraUnloadRequest(msgspec.Struct, kw_only=True):
+class LoraUnloadRequest(ControlRequest, kw_only=True):
     lora_name: str
 
 
@@ -104,7 +118,7 @@ class LoraInfo(msgspec.Struct, kw_only=True):
     uri: str
 
 
-class EngineLoraAdd(msgspec.Struct, kw_only=True):
+class EngineLoraAdd(ControlRequest, kw_only=True):
     """LoRA manager → engine actor (verb ENGINE_LORA_ADD): put an adapter into the engine."""
 
     lora_name: str
@@ -112,7 +126,7 @@ class EngineLoraAdd(msgspec.Struct, kw_only=True):
     path: str
 
 
-class EngineLoraRemove(msgspec.Struct, kw_only=True):
+class EngineLoraRemove(ControlRequest, kw_only=True):
     """LoRA manager → engine actor (verb ENGINE_LORA_REMOVE)."""
 
     lora_name: str

@@ -3,7 +3,10 @@
 Subjects: ``ns.<pool>.generate`` (queue group: any replica) and ``ns.<pool>.generate.<instance>``
 (routed); control on ``ns.worker.<instance>.<verb>`` — sleep, wake_up, clear_kv_blocks, health,
 stats, cancel, and the engine-side adapter verbs the LoRA manager calls (engine.lora_add|remove|list).
-Every control endpoint takes header-less JSON (``nats req``).
+Every control endpoint takes header-less JSON (``nats req``). The verbs that change state (sleep,
+wake_up, clear_kv_blocks, engine.lora_add|remove, cancel's JSON form) are strict: the payload must
+be a JSON object of known fields (``{}`` for the defaults); empty, non-object, malformed or
+unknown-field payloads are a 400 and change nothing.
 
 Death: a watcher awaits ``engine.dead``; the in-flight streams end with EngineDead (503 "engine
 dead: ...") and then the actor fails, so the worker supervisor (rest_for_one) restarts it — and the
@@ -25,6 +28,7 @@ from actors.base import Actor, Endpoint
 from actors.engines.protocol import Engine
 from actors.worker import contract as C
 from actors.worker.contract import (
+    ClearKvBlocksRequest,
     EngineKvSources,
     EngineLoraAdd,
     EngineLoraList,
@@ -36,6 +40,7 @@ from actors.worker.contract import (
     ModelCard,
     SleepRequest,
     StatusReply,
+    WakeUpRequest,
 )
 from actors.worker.health import consume_probe, probe_request
 from actors.worker.metrics import WorkerMetrics, load_reports
@@ -74,11 +79,14 @@ class _EngineCancels(StreamCancels):
         rid = (msg.headers or {}).get(S.REQUEST_ID)
         if not rid:
             body = msg.data.strip()
-            if body.startswith(b"{"):
-                req = codec.decode(body, msg.headers, C.CancelRequest)  # BadRequest -> 400 reply
+            if body.startswith(b"{"):  # strict: unknown fields are a 400 (BadRequest -> 400 reply)
+                req = codec.decode(body, msg.headers, C.CancelRequest, allow_empty=False)
                 rid = req.request_id
             else:
-                rid = body.decode(errors="replace").strip('"')
+                try:
+                    rid = body.decode().strip('"')
+                except UnicodeDecodeError:
+                    raise BadRequest("cancel: the request id is not valid UTF-8") from None
         if not rid:
             raise BadRequest("cancel needs a request_id")
         svc = self.actor.service
@@ -172,16 +180,18 @@ class EngineActor(Actor):
             Endpoint("generate", sj.generate(self.pool_name), self.generate, GenerateRequest, streaming=True),
             Endpoint("generate_instance", sj.generate_instance(self.pool_name, self.instance), self.generate,
                      GenerateRequest, streaming=True, queue_group=None),
-            Endpoint("sleep", w(C.VERB_SLEEP), self.sleep, SleepRequest, queue_group=None, bounded=False),
-            Endpoint("wake_up", w(C.VERB_WAKE_UP), self.wake_up, queue_group=None, bounded=False),
-            Endpoint("clear_kv_blocks", w(C.VERB_CLEAR_KV_BLOCKS), self.clear_kv_blocks, queue_group=None,
-                     bounded=False),
+            Endpoint("sleep", w(C.VERB_SLEEP), self.sleep, SleepRequest, queue_group=None, bounded=False,
+                     allow_empty=False),
+            Endpoint("wake_up", w(C.VERB_WAKE_UP), self.wake_up, WakeUpRequest, queue_group=None, bounded=False,
+                     allow_empty=False),
+            Endpoint("clear_kv_blocks", w(C.VERB_CLEAR_KV_BLOCKS), self.clear_kv_blocks, ClearKvBlocksRequest,
+                     queue_group=None, bounded=False, allow_empty=False),
             Endpoint("health", w(C.VERB_HEALTH), self.health, queue_group=None, bounded=False),
             Endpoint("stats", w(C.VERB_STATS), self.stats, queue_group=None, bounded=False),
             Endpoint("lora_add", w(C.ENGINE_LORA_ADD), self.lora_add, EngineLoraAdd, queue_group=None,
-                     bounded=False),
+                     bounded=False, allow_empty=False),
             Endpoint("lora_remove", w(C.ENGINE_LORA_REMOVE), self.lora_remove, EngineLoraRemove,
-                     queue_group=None, bounded=False),
+                     queue_group=None, bounded=False, allow_empty=False),
             Endpoint("lora_list", w(C.ENGINE_LORA_LIST), self.lora_list, queue_group=None, bounded=False),
             Endpoint("kv_sources", w(C.ENGINE_KV_SOURCES), self.kv_sources, queue_group=None, bounded=False),
         ]
@@ -206,11 +216,11 @@ class EngineActor(Actor):
         with self.metrics.track("sleep"):
             return await self.sleeper.sleep(req)
 
-    async def wake_up(self, _req: Any, _h: Mapping[str, str]) -> StatusReply:
+    async def wake_up(self, _req: WakeUpRequest, _h: Mapping[str, str]) -> StatusReply:
         with self.metrics.track("wake_up"):
             return await self.sleeper.wake_up()
 
-    async def clear_kv_blocks(self, _req: Any, _h: Mapping[str, str]) -> StatusReply:
+    async def clear_kv_blocks(self, _req: ClearKvBlocksRequest, _h: Mapping[str, str]) -> StatusReply:
         with self.metrics.track("clear_kv_blocks"):
             return await self.service.clear_kv_blocks()
 

@@ -1,5 +1,8 @@
 """LoRA manager actor: ``lora.load|unload|list`` on ``ns.worker.<instance>.lora.*``.
 
+load and unload are strict (unknown fields, empty or non-object payloads are a 400); list takes
+anything, an empty payload included.
+
 Transport around ``LoraManager``: it reaches the engine through the engine actor's internal
 ``engine.lora_add|lora_remove`` endpoints (actors talk only over NATS) and records adapters in the
 ``ns-loras`` bucket. Records are refreshed while the manager runs and are *not* deleted when it
@@ -122,8 +125,9 @@ class LoraActor(Actor):
     def endpoints(self) -> list[Endpoint]:
         w = lambda verb: self.bus.subjects.worker(self.worker_instance, verb)  # noqa: E731
         return [
-            Endpoint("lora_load", w("lora.load"), self.load, LoraLoadRequest, queue_group=None),
-            Endpoint("lora_unload", w("lora.unload"), self.unload, LoraUnloadRequest, queue_group=None),
+            Endpoint("lora_load", w("lora.load"), self.load, LoraLoadRequest, queue_group=None, allow_empty=False),
+            Endpoint("lora_unload", w("lora.unload"), self.unload, LoraUnloadRequest, queue_group=None,
+                     allow_empty=False),
             Endpoint("lora_list", w("lora.list"), self.list, queue_group=None, bounded=False),
         ]
 

@@ -121,6 +121,18 @@ async def test_crash_fails_wait_and_deregisters(bus: BusContext, echo: EchoActor
         await request(bus.nc, bus.subjects.echo("echo"), {"message": "x"})
 
 
+async def test_crash_needs_an_explicit_object(bus: BusContext, echo: EchoActor) -> None:
+    """crash is strict: a stray empty (or malformed, or unknown-field) message does not kill the actor."""
+    for body in (b"", b'{"bogus": 1}', b"\xff\xfe", b"[]", b'{"reason": 1}'):
+        msg = await bus.nc.request(bus.subjects.echo("crash"), body, timeout=5)
+        assert (msg.headers or {}).get(S.SERVICE_ERROR_CODE) == "400", (body, msg.headers)
+    reply = await request(bus.nc, bus.subjects.echo("echo"), {"message": "still here"})
+    assert reply["instance"] == echo.instance
+    assert (await request(bus.nc, bus.subjects.echo("crash"), {}))["status"] == "crashing"  # {}: the default
+    with pytest.raises(EchoCrash, match="crash requested"):
+        await asyncio.wait_for(echo.wait(), 5)
+
+
 async def test_stop_drains_in_flight_then_cancels(bus: BusContext) -> None:
     actor = EchoActor(bus, drain_timeout=5.0)
     await actor.start()

@@ -76,12 +76,12 @@ async def test_control_surface_header_less_json(bus: BusContext, actor: EngineAc
     assert h["status"] == "healthy" and h["instance"] == "w1" and h["role"] == "agg" and h["model"] == "mock-model"
     st, _ = await jreq(bus, "stats")
     assert st["pool"] == "p0" and st["accepting"] is True
-    assert (await jreq(bus, "clear_kv_blocks"))[0]["status"] == "ok"
-    assert (await jreq(bus, "wake_up"))[0] == {"status": "ok", "message": "already awake"}
+    assert (await jreq(bus, "clear_kv_blocks", b"{}"))[0]["status"] == "ok"
+    assert (await jreq(bus, "wake_up", b"{}"))[0] == {"status": "ok", "message": "already awake"}
     assert (await jreq(bus, "sleep", b'{"level": 1}'))[0]["status"] == "ok"
-    assert (await jreq(bus, "sleep"))[0]["message"].startswith("already asleep")
+    assert (await jreq(bus, "sleep", b"{}"))[0]["message"].startswith("already asleep")
     assert (await jreq(bus, "health"))[0]["status"] == "sleeping"
-    assert (await jreq(bus, "wake_up"))[0] == {"status": "ok", "message": "awake"}
+    assert (await jreq(bus, "wake_up", b"{}"))[0] == {"status": "ok", "message": "awake"}
     assert (await jreq(bus, "engine.lora_list"))[0] == {"adapters": []}
     kv = (await jreq(bus, "engine.kv_sources"))[0]
     assert kv["block_size"] == 16 and kv["sources"][0]["endpoint"].startswith("tcp://")
@@ -263,7 +263,7 @@ async def test_sleep_leaves_registry_first_and_blocks_generate(bus: BusContext) 
             with pytest.raises(Unavailable):
                 await stream(bus, gen_req(token_ids=[1]), subject=subject)
         assert (await jreq(bus, "health", instance="ws"))[0]["status"] == "sleeping"
-        reply, _ = await jreq(bus, "wake_up", instance="ws")
+        reply, _ = await jreq(bus, "wake_up", b"{}", instance="ws")
         assert reply["status"] == "ok"
         seen["asleep"] = False
         assert await inst.get("ws") is not None
