@@ -8,6 +8,7 @@ exponentially growing, jittered delay instead.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -17,6 +18,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
+from bus.secrets import password, token
 from supervisors.topology import BusConfig, BusTLS
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,10 @@ def ssl_context(tls: BusTLS) -> ssl.SSLContext:
     return ctx
 
 
-def connect_options(cfg: BusConfig | str, name: str) -> dict[str, Any]:
-    """The keyword arguments for ``nats.connect`` (split out so it is testable without a server)."""
+def connect_options(cfg: BusConfig | str, name: str, inbox_prefix: str | None = None) -> dict[str, Any]:
+    """The keyword arguments for ``nats.connect`` (split out so it is testable without a server).
+    ``inbox_prefix``: where replies to this process arrive (per namespace, so per-role permissions
+    can let a user read its own deployment's replies and no other)."""
     if isinstance(cfg, str):
         cfg = BusConfig(url=cfg)
     url = cfg.url or f"nats://127.0.0.1:{cfg.port}"
@@ -63,12 +67,15 @@ def connect_options(cfg: BusConfig | str, name: str) -> dict[str, Any]:
         "ping_interval": 10,
         "max_outstanding_pings": 3,
     }
+    if inbox_prefix:
+        opts["inbox_prefix"] = inbox_prefix
     a = cfg.auth
-    if a.token:
-        opts["token"] = a.token
+    tok = token(a)
+    if tok:
+        opts["token"] = tok
     if a.user:
         opts["user"] = a.user
-        opts["password"] = a.password or ""
+        opts["password"] = password(a) or ""
     if a.nkey_seed:
         opts["nkeys_seed"] = os.path.expanduser(a.nkey_seed)
     if a.creds:
@@ -80,11 +87,12 @@ def connect_options(cfg: BusConfig | str, name: str) -> dict[str, Any]:
     return opts
 
 
-async def connect(cfg: BusConfig | str, name: str, *, initial_attempts: int = 3) -> Client:
+async def connect(cfg: BusConfig | str, name: str, *, initial_attempts: int = 3,
+                  inbox_prefix: str | None = None) -> Client:
     """Connect and log status changes. The *initial* connect tries each server ``initial_attempts``
     times and then raises (a supervisor restarts us with its own backoff; nats-py would otherwise
     loop forever on a wrong URL or bad credentials); once connected, outages are retried forever."""
-    opts = connect_options(cfg, name)
+    opts = connect_options(cfg, name, inbox_prefix)
     servers = opts["servers"]
     opts["max_reconnect_attempts"] = max(1, initial_attempts)
 
@@ -100,16 +108,27 @@ async def connect(cfg: BusConfig | str, name: str, *, initial_attempts: int = 3)
     async def on_closed() -> None:
         log.info("nats %s: connection closed", name)
 
+    errors: list[Exception] = []
+
     async def on_error(e: Exception) -> None:
+        errors.append(e)
         log.warning("nats %s: %s: %s", name, type(e).__name__, e)
 
-    nc: Client = await nats.connect(
-        **opts,
-        disconnected_cb=on_disconnected,
-        reconnected_cb=on_reconnected,
-        closed_cb=on_closed,
-        error_cb=on_error,
-    )
+    # nats-py's attempt bound does not cover every failure: a TLS handshake the client refuses (no
+    # CA for the server's certificate) is retried forever. Bound the whole first connect.
+    bound = opts["connect_timeout"] * opts["max_reconnect_attempts"] * len(servers) + 5.0
+    try:
+        nc: Client = await asyncio.wait_for(nats.connect(
+            **opts,
+            disconnected_cb=on_disconnected,
+            reconnected_cb=on_reconnected,
+            closed_cb=on_closed,
+            error_cb=on_error,
+        ), bound)
+    except TimeoutError:
+        last = f": {type(errors[-1]).__name__}: {errors[-1]}" if errors else ""
+        raise ConnectionError(f"nats {name}: no connection to {', '.join(servers)} within {bound:g}s"
+                              f"{last}") from None
     nc.options["max_reconnect_attempts"] = -1  # read on every reconnect: from now on, forever
     log.info("nats %s: connected to %s", name, nc.connected_url.netloc if nc.connected_url else servers)
     return nc

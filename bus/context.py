@@ -8,7 +8,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from bus.connection import connect
-from bus.subjects import Subjects
+from bus.subjects import Subjects, inbox_prefix
 from supervisors.topology import BusConfig
 
 
@@ -35,5 +35,5 @@ class BusContext:
 
 
 async def open_context(cfg: BusConfig | str, namespace: str, host: str, name: str) -> BusContext:
-    nc = await connect(cfg, name)
+    nc = await connect(cfg, name, inbox_prefix=inbox_prefix(namespace))
     return BusContext(nc=nc, js=nc.jetstream(), subjects=Subjects(namespace), namespace=namespace, host=host)

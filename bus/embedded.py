@@ -25,6 +25,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -179,8 +180,12 @@ class EmbeddedNats:
 
     def __init__(self, port: int = 4222, store_dir: str | None = None, host: str = "127.0.0.1",
                  log_file: str | None = None, name: str = "nats-server",
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None,
+                 write_config: Callable[[str], None] | None = None) -> None:
+        """``write_config(path)`` writes the server's config file (auth, TLS: see
+        ``supervisors.nats_conf``); default: ``server_config()`` alone (no auth)."""
         self.name = name
+        self.write_config = write_config
         self.host = host
         self.port = port
         self.store_dir = store_dir
@@ -221,8 +226,12 @@ class EmbeddedNats:
             self._lock = StoreLock(self.store_dir)
         self._lock.acquire(self.host, self.port)
         try:
-            with open(os.path.join(self.store_dir, "vllm-actors.conf"), "w") as f:
-                f.write(server_config())
+            conf = os.path.join(self.store_dir, "vllm-actors.conf")
+            if self.write_config is not None:
+                self.write_config(conf)  # may hold secrets: written 0600, never logged
+            else:
+                with open(conf, "w") as f:
+                    f.write(server_config())
             self._stopping = False
             # Unique server name: readiness must recognise *our* server, not another one on the port.
             self._server_name = f"{self.name}-{self.port}-{secrets.token_hex(3)}"

@@ -92,6 +92,8 @@ def render_nats_unit(topology: Topology, topology_path: Path, conf: Path) -> str
         "Service": [
             ("Type", "simple"),
             ("ExecStart", _exec(argv)),
+            # an included users file reads passwords from the environment ($NAME)
+            ("EnvironmentFile", f"-{s.environment_file}" if s.environment_file else None),
             ("User", s.user),
             ("StateDirectory", state_dir),
             ("Restart", "on-failure"),
@@ -161,10 +163,12 @@ def emit_units(topology: Topology, topology_path: str | Path, out_dir: str | Pat
     python = os.path.abspath(python)
     written: list[Path] = []
     if topology.bus.url is None:
-        from bus.embedded import server_config
+        from supervisors import nats_conf
 
         conf = out.resolve() / nats_conf_name(topology)
-        conf.write_text(server_config())  # the settings the embedded server runs with
+        # what the embedded server would run with: auth, TLS, an included users file (mode 0600:
+        # it may hold the token or password)
+        nats_conf.write(topology.bus, conf)
         p = out / nats_unit_name(topology)
         p.write_text(render_nats_unit(topology, topology_path, conf))
         written.append(p)

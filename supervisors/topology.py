@@ -23,15 +23,17 @@ class BusAuth(_Strict):
 
     token: str | None = None
     token_file: str | None = None  # file holding the token (surrounding whitespace is dropped)
+    token_env: str | None = None  # name of an environment variable holding the token
     user: str | None = None
     password: str | None = None
     password_file: str | None = None
+    password_env: str | None = None  # e.g. the variable a server_config's users refer to
     nkey_seed: str | None = None  # path to an nkey seed file
     creds: str | None = None  # path to a .creds file (user JWT + seed; needs an operator-mode server)
 
     def kind(self) -> str | None:
         """"token", "user", "nkey", "creds" or None (anonymous)."""
-        if self.token is not None or self.token_file is not None:
+        if self.token is not None or self.token_file is not None or self.token_env is not None:
             return "token"
         if self.user is not None:
             return "user"

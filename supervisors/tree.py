@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from supervisors import nats_conf
 from supervisors.child import Child, ChildSpec
 from supervisors.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
 from supervisors.workers import bus_url, embeds_nats, worker_spec
@@ -195,10 +196,12 @@ def _nats_node(t: Topology) -> Node:
 
     def start() -> Child:
         from bus.embedded import EmbeddedNats
-        return EmbeddedNats(port=t.bus.port, store_dir=store, name="nats")
+        return EmbeddedNats(port=t.bus.port, store_dir=store, name="nats",
+                            write_config=lambda path: nats_conf.write(t.bus, path))
 
     return Node(ChildSpec("nats", start, "permanent", min(10.0, t.supervisor.shutdown_timeout)),
-                "nats", f"embedded nats-server 127.0.0.1:{t.bus.port} (JetStream store {store})")
+                "nats", f"embedded nats-server 127.0.0.1:{t.bus.port} ({nats_conf.describe(t.bus)}; "
+                f"JetStream store {store})")
 
 
 def _echo_node(t: Topology, host: str, link: BusLink, multi: bool) -> Node:

@@ -17,9 +17,11 @@ import sys
 from collections.abc import Collection
 from pathlib import Path
 
+import msgspec
+
 from bus.errors import BadRequest, Conflict, NotFound
 from supervisors.child import Child, ChildSpec
-from supervisors.topology import PoolConfig, Topology
+from supervisors.topology import BusConfig, PoolConfig, Topology
 
 OVERRIDES_ENV = "VLLM_ACTORS_SET"  # JSON list of "key.path=value" overrides for a worker process
 MAX_REPLICA = 1023  # replica indices a spawn may ask for (ports and names are derived from them)
@@ -31,6 +33,14 @@ def embeds_nats(t: Topology) -> bool:
 
 def bus_url(t: Topology) -> str:
     return t.bus.url or f"nats://127.0.0.1:{t.bus.port}"
+
+
+def worker_bus(t: Topology) -> BusConfig:
+    """What a worker process connects with: ``bus.worker_auth`` when the topology gives workers a
+    user of their own (per-role permissions), else the deployment's ``bus.auth``."""
+    if t.bus.worker_auth is None:
+        return t.bus
+    return msgspec.structs.replace(t.bus, auth=t.bus.worker_auth)
 
 
 def worker_child_id(pool: str, replica: int) -> str:

@@ -75,16 +75,21 @@ def applied_env(env: Mapping[str, str]) -> Iterator[None]:
                     os.environ[k] = v
 
 
+KV_EVENTS_HOST = "127.0.0.1"
+
+
 def kv_events_config(port: int | None, dp_size: int = 1) -> Any:
     """ZMQ KV events. ``port`` None → the OS picks ports (resolved later via get_kv_event_sources).
     vLLM adds the DP rank to both ports, so rank r publishes on ``port + r``; the replay socket
     goes on ``port + 1000 + r`` when those ports are free now, else on an OS-picked port."""
     from vllm.config import KVEventsConfig
 
-    pub = f"tcp://*:{port}" if port is not None else "tcp://*:0"
-    replay = "tcp://*:0"
+    # loopback: the only subscriber is this worker's KV publisher actor (vLLM's default, "*",
+    # would show the engine's cache contents to every network the machine is on)
+    pub = f"tcp://{KV_EVENTS_HOST}:{port if port is not None else 0}"
+    replay = f"tcp://{KV_EVENTS_HOST}:0"
     if port is not None and all(_port_free(port + 1000 + r) for r in range(dp_size)):
-        replay = f"tcp://*:{port + 1000}"
+        replay = f"tcp://{KV_EVENTS_HOST}:{port + 1000}"
     return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
                           replay_endpoint=replay, topic=TOPIC)
 
@@ -94,7 +99,7 @@ def _port_free(port: int) -> bool:
         return False
     with socket.socket() as s:
         try:
-            s.bind(("0.0.0.0", port))
+            s.bind((KV_EVENTS_HOST, port))
         except OSError:
             return False
     return True

@@ -14,16 +14,20 @@ import logging
 import signal
 
 from bus.context import open_context
-from supervisors.topology import FrontendConfig, ModelConfig
+from supervisors.topology import BusAuth, BusConfig, FrontendConfig, ModelConfig
 
 from .actor import FrontendActor
 
 
 async def amain(args: argparse.Namespace) -> None:
-    bus = await open_context(args.nats, namespace=args.namespace, host=args.host, name="frontend")
+    auth = BusAuth(token_file=args.bus_token_file, user=args.bus_user, password_file=args.bus_password_file,
+                   nkey_seed=args.bus_nkey_seed, creds=args.bus_creds)
+    bus = await open_context(BusConfig(url=args.nats, auth=auth), namespace=args.namespace, host=args.host,
+                             name="frontend")
     mc = ModelConfig(name=args.model, path=args.model_path or args.model,
                      migration_limit=args.migration_limit) if args.model else None
-    cfg = FrontendConfig(http=args.http, router=args.router, api_key=args.api_key,
+    cfg = FrontendConfig(http=args.http, router=args.router, api_key_file=args.api_key_file,
+                         api_key_env=args.api_key_env,
                          stall_timeout=args.stall_timeout)
     fe = FrontendActor(bus, config=cfg, model_config=mc)
     await fe.start()
@@ -46,7 +50,14 @@ def main() -> None:
     p.add_argument("--model", default=None, help="served name whose tokenizer is configured here")
     p.add_argument("--model-path", default=None, help="tokenizer/model dir ('tiny' = the tiny model)")
     p.add_argument("--migration-limit", type=int, default=3)
-    p.add_argument("--api-key", default=None)
+    # secrets by file or environment, never on this command line (any local user can read it)
+    p.add_argument("--api-key-file", default=None, help="file holding the bearer key for /v1/*")
+    p.add_argument("--api-key-env", default=None, help="environment variable holding the bearer key")
+    p.add_argument("--bus-token-file", default=None)
+    p.add_argument("--bus-user", default=None)
+    p.add_argument("--bus-password-file", default=None)
+    p.add_argument("--bus-nkey-seed", default=None, help="nkey seed file")
+    p.add_argument("--bus-creds", default=None, help=".creds file")
     p.add_argument("--stall-timeout", type=float, default=10.0)
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args()

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from actors.worker.contract import GenerateChunk
+from bus import secrets
 from bus.errors import ActorError, BadRequest, NotFound, PayloadTooLarge
 from supervisors.topology import FrontendConfig, ModelConfig
 
@@ -81,7 +82,10 @@ class FrontendApp:
         self.metrics = metrics or FrontendMetrics()
         self.pre_cache = preprocessors or SHARED
         self._loading: dict[tuple[str, str | None], asyncio.Future[Preprocessor | None]] = {}
-        self._api_key = config.api_key.encode() if config.api_key else None
+        key = secrets.resolve(config.api_key, config.api_key_file, config.api_key_env, "frontend.api_key")
+        self._api_key = key.encode() if key else None
+        # /health and /live stay open (load balancers, systemd, kubelets probe them without a key)
+        self._protected = ("/v1/", "/metrics") if config.metrics_auth else ("/v1/",)
         workers.listeners.append(self._warm_tokenizers)
 
     # --- app ---------------------------------------------------------------------------------------
@@ -99,7 +103,7 @@ class FrontendApp:
     @web.middleware
     async def _errors_mw(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
-            if self._api_key is not None and request.path.startswith("/v1/"):
+            if self._api_key is not None and request.path.startswith(self._protected):
                 auth = request.headers.get("Authorization", "")
                 if not hmac.compare_digest(auth.removeprefix("Bearer ").encode(), self._api_key):
                     raise Unauthorized("invalid or missing API key")

@@ -48,7 +48,7 @@ from supervisors.service import SupervisorService
 from supervisors.supervisor import Supervisor
 from supervisors.topology import PoolConfig, Topology
 from supervisors.topology_loader import TopologyError, load_topology
-from supervisors.workers import MAX_REPLICA, overrides_from_env, worker_child_id
+from supervisors.workers import MAX_REPLICA, overrides_from_env, worker_bus, worker_child_id
 
 log = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
     notifier = notifier or PhaseNotifier(node)
     notifier.status("connecting to NATS")
     try:
-        ctx = await open_context(t.bus, t.namespace, pool.host,
+        ctx = await open_context(worker_bus(t), t.namespace, pool.host,
                                  f"vllm-actors:{t.namespace}:{node}:{os.getpid()}")
     except BaseException:
         if restored is not None:

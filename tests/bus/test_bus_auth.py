@@ -1,61 +1,118 @@
-"""connect() authenticates by token, user/password and nkey seed against real nats-servers."""
+"""The deployment's own nats-server admits exactly what the topology's ``bus`` section says, for each
+auth kind (real nats-server, config rendered by ``supervisors.nats_conf``): the configured
+credentials connect, anonymous and wrong ones are refused."""
 
 from __future__ import annotations
 
 import os
+import stat
+from pathlib import Path
 
-import nkeys
+import msgspec
 import pytest
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
-from supervisors.topology import BusAuth, BusConfig
+from supervisors import nats_conf
+from supervisors.topology import BusAuth, BusConfig, BusTLS
+from tests.helpers import make_certs, make_nkey
 
 
-async def _server(tmp_path, *args: str) -> EmbeddedNats:  # type: ignore[no-untyped-def]
-    srv = EmbeddedNats(port=free_port(), store_dir=str(tmp_path / "js"), extra_args=list(args))
+async def _server(tmp_path: Path, bus: BusConfig) -> EmbeddedNats:
+    srv = EmbeddedNats(port=free_port(), store_dir=str(tmp_path / "js"),
+                       write_config=lambda path: nats_conf.write(bus, path))
     await srv.start()
     return srv
 
 
-async def _check(url: str, good: BusAuth, bad: BusAuth) -> None:
-    nc = await connect(BusConfig(url=url, auth=good), "auth-ok")
+async def _connects(url: str, auth: BusAuth, tls: BusTLS | None = None) -> bool:
+    try:
+        nc = await connect(BusConfig(url=url, auth=auth, tls=tls), "auth-test", initial_attempts=1)
+    except Exception:  # nats-py raises several auth/TLS error types
+        return False
     await nc.flush()
     await nc.close()
-    with pytest.raises(Exception):  # noqa: B017 - nats-py raises several auth error types
-        nc = await connect(BusConfig(url=url, auth=bad), "auth-bad")
-        await nc.close()
+    return True
 
 
-async def test_token_auth(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    srv = await _server(tmp_path, "--auth", "s3cret")
+async def _check(tmp_path: Path, bus: BusConfig, wrong: list[BusAuth]) -> None:
+    srv = await _server(tmp_path, bus)
     try:
-        await _check(srv.url, BusAuth(token="s3cret"), BusAuth(token="wrong"))
+        assert await _connects(srv.url, bus.auth, bus.tls)
+        assert not await _connects(srv.url, BusAuth(), bus.tls), "anonymous client admitted"
+        for w in wrong:
+            assert not await _connects(srv.url, w, bus.tls), f"wrong credentials admitted: {w}"
+        conf = Path(srv.store_dir or "") / "vllm-actors.conf"
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600  # it holds the secret
     finally:
         await srv.stop()
 
 
-async def test_user_password_auth(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    srv = await _server(tmp_path, "--user", "alice", "--pass", "pw")
+async def test_token_value_and_file(tmp_path: Path) -> None:
+    await _check(tmp_path / "a", BusConfig(auth=BusAuth(token="s3cret")), [BusAuth(token="wrong")])
+    token_file = tmp_path / "token"
+    token_file.write_text("t0k-from-file\n")
+    await _check(tmp_path / "b", BusConfig(auth=BusAuth(token_file=str(token_file))),
+                 [BusAuth(token="wrong"), BusAuth(token="t0k-from-file\n")])
+
+
+async def test_user_password_file(tmp_path: Path) -> None:
+    pw = tmp_path / "pw"
+    pw.write_text('p"w\\d\n')  # quotes and backslashes survive the config file
+    await _check(tmp_path, BusConfig(auth=BusAuth(user="alice", password_file=str(pw))),
+                 [BusAuth(user="alice", password="no"), BusAuth(user="bob", password='p"w\\d')])
+
+
+async def test_nkey_seed(tmp_path: Path) -> None:
+    make_nkey(tmp_path / "good.nk")
+    make_nkey(tmp_path / "bad.nk")
+    await _check(tmp_path, BusConfig(auth=BusAuth(nkey_seed=str(tmp_path / "good.nk"))),
+                 [BusAuth(nkey_seed=str(tmp_path / "bad.nk")), BusAuth(token="x")])
+
+
+async def test_tls_required_and_client_certificates(tmp_path: Path) -> None:
+    c = make_certs(str(tmp_path))
+    tls = BusTLS(ca_file=c["ca"], server_cert_file=c["server_cert"], server_key_file=c["server_key"])
+    bus = BusConfig(auth=BusAuth(token="tls-tok"), tls=tls)
+    srv = await _server(tmp_path / "one", bus)
     try:
-        await _check(srv.url, BusAuth(user="alice", password="pw"), BusAuth(user="alice", password="no"))
+        assert await _connects(srv.url, bus.auth, tls)
+        assert not await _connects(srv.url, bus.auth, None), "plain-text client admitted"
+    finally:
+        await srv.stop()
+    # verify_clients: a TLS client without a certificate signed by the CA is refused
+    strict = msgspec.structs.replace(tls, verify_clients=True)
+    bus = BusConfig(auth=BusAuth(token="tls-tok"), tls=strict)
+    srv = await _server(tmp_path / "two", bus)
+    try:
+        with_cert = msgspec.structs.replace(strict, cert_file=c["client_cert"], key_file=c["client_key"])
+        assert await _connects(srv.url, bus.auth, with_cert)
+        assert not await _connects(srv.url, bus.auth, tls), "client without a certificate admitted"
     finally:
         await srv.stop()
 
 
-async def test_nkey_seed_auth(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    def seed_file(name: str) -> tuple[str, str]:
-        seed = nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER)
-        path = tmp_path / name
-        path.write_bytes(seed + b"\n")
-        return str(path), nkeys.from_seed(seed).public_key.decode()
-
-    good, pub = seed_file("good.nk")
-    bad, _ = seed_file("bad.nk")
-    conf = tmp_path / "auth.conf"
-    conf.write_text(f'authorization {{ users = [ {{ nkey: "{pub}" }} ] }}\n')
-    srv = await _server(tmp_path, "-c", str(conf))
+async def test_no_auth_means_an_open_loopback_server(tmp_path: Path) -> None:
+    srv = await _server(tmp_path, BusConfig())
     try:
-        await _check(srv.url, BusAuth(nkey_seed=good), BusAuth(nkey_seed=bad))
+        assert srv.host == "127.0.0.1"
+        assert await _connects(srv.url, BusAuth())
     finally:
         await srv.stop()
+
+
+def test_rendered_config_never_logs_and_includes_server_config(tmp_path: Path) -> None:
+    users = tmp_path / "etc" / "users.conf"
+    users.parent.mkdir()
+    users.write_text("authorization { users = [] }\n")
+    conf_dir = tmp_path / "store"
+    conf_dir.mkdir()
+    text = nats_conf.render(BusConfig(auth=BusAuth(token="ignored"), server_config=str(users)), conf_dir)
+    assert "ignored" not in text  # the included file alone decides who connects
+    assert '"../etc/users.conf"' in text  # nats-server joins includes to the including file's dir
+    assert nats_conf.describe(BusConfig(auth=BusAuth(token="sekrit"))) == "token auth"
+    with pytest.raises(nats_conf.SecretError, match="empty"):
+        empty = tmp_path / "empty"
+        empty.write_text("\n")
+        nats_conf.render(BusConfig(auth=BusAuth(token_file=str(empty))), conf_dir)
+    assert os.access(users, os.R_OK)

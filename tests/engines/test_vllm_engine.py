@@ -209,7 +209,7 @@ async def test_engine_args_defaults_and_roles() -> None:
     assert agg.enable_prefix_caching and agg.served_model_name == "m"
     assert isinstance(agg.kv_transfer_config, KVTransferConfig)
     assert isinstance(agg.kv_events_config, KVEventsConfig)
-    assert agg.kv_events_config.endpoint == "tcp://*:41000" and agg.kv_events_config.replay_endpoint
+    assert agg.kv_events_config.endpoint == "tcp://127.0.0.1:41000" and agg.kv_events_config.replay_endpoint
     assert agg.block_size == 32 and agg.enforce_eager  # CPU defaults
     decode = build_engine_args({"model": "tiny", "block_size": 64, "enable_prefix_caching": False},
                                role="decode", kv_events_port=41000)

@@ -87,6 +87,40 @@ async def test_api_key(deploy: Any, http: Any) -> None:
         assert r.status == 200
 
 
+async def test_api_key_from_file_or_env_and_protected_metrics(deploy: Any, http: Any, tmp_path: Any,
+                                                               monkeypatch: Any) -> None:
+    """The key comes from a file (or an environment variable); with metrics_auth /metrics needs it
+    too, while /health and /live stay open."""
+    key_file = tmp_path / "api.key"
+    key_file.write_text("from-file\n")
+    await deploy.worker()
+    await deploy.start_frontend(api_key_file=str(key_file), metrics_auth=True)
+    await deploy.wait_ready(1)
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    async with http.post(deploy.url + COMPL, json=body, headers={"Authorization": "Bearer from-file"}) as r:
+        assert r.status == 200
+    async with http.post(deploy.url + COMPL, json=body, headers={"Authorization": "Bearer from-fil"}) as r:
+        assert r.status == 401
+    async with http.get(deploy.url + "/metrics") as r:
+        assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
+    async with http.get(deploy.url + "/metrics", headers={"Authorization": "Bearer from-file"}) as r:
+        assert r.status == 200
+    for probe in ("/health", "/live"):
+        async with http.get(deploy.url + probe) as r:
+            assert r.status == 200, probe
+    await deploy.frontend.stop(5)
+
+    monkeypatch.setenv("TEST_FRONTEND_KEY", "from-env")
+    await deploy.start_frontend(api_key_env="TEST_FRONTEND_KEY")
+    await deploy.wait_ready(1)
+    async with http.post(deploy.url + COMPL, json=body, headers={"Authorization": "Bearer from-env"}) as r:
+        assert r.status == 200
+    async with http.post(deploy.url + COMPL, json=body, headers={"Authorization": "Bearer from-file"}) as r:
+        assert r.status == 401
+    async with http.get(deploy.url + "/metrics") as r:  # metrics_auth off: open
+        assert r.status == 200
+
+
 async def test_no_capacity_is_503(deploy: Any, http: Any) -> None:
     await deploy.worker(role="prefill", pool="prefill")  # a model whose only pool is prefill
     await deploy.start_frontend()

@@ -88,6 +88,48 @@ def test_embedded_topology_gets_nats_unit_and_host_depends_on_it(tmp_path: Path)
     assert svc["TimeoutStartSec"] == "infinity"
 
 
+def test_nats_unit_enforces_the_topology_auth(tmp_path: Path) -> None:
+    """The generated nats unit's server admits what the embedded one would: the token, nobody else
+    (started from the unit's own ExecStart, on a free port)."""
+    import asyncio
+    import stat
+
+    from bus.connection import connect
+    from bus.embedded import free_port
+    from supervisors.topology import BusAuth, BusConfig
+
+    token = tmp_path / "token"
+    token.write_text("unit-token\n")
+    port = free_port()
+    t = load_topology(ECHO, [f"bus.port={port}", f"bus.auth.token_file={token}",
+                             f"bus.store_dir={tmp_path / 'store'}"])
+    paths = emit_units(t, ECHO, tmp_path / "units")
+    conf = (tmp_path / "units").resolve() / "vllm-actors-echo-nats.conf"
+    assert stat.S_IMODE(conf.stat().st_mode) == 0o600
+    argv = _parse(paths[0])["Service"]["ExecStart"].split()
+    assert "unit-token" not in " ".join(argv)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    async def check() -> None:
+        for _ in range(100):
+            try:
+                nc = await connect(BusConfig(url=f"nats://127.0.0.1:{port}", auth=BusAuth(token="unit-token")),
+                                   "unit-test", initial_attempts=1)
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the unit's nats-server did not admit the topology's token")
+        await nc.close()
+        with pytest.raises(Exception):  # noqa: B017 - nats-py raises several auth error types
+            await connect(BusConfig(url=f"nats://127.0.0.1:{port}"), "anon", initial_attempts=1)
+    try:
+        asyncio.run(check())
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_multi_host_with_url_has_no_nats_unit(tmp_path: Path) -> None:
     topo_file = tmp_path / "prod.toml"
     topo_file.write_text(MULTI)

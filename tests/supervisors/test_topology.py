@@ -38,7 +38,17 @@ def test_broken_fixture_gives_precise_error(path: Path) -> None:
     assert str(info.value) == f"{rel}: {expected}"
 
 
-def test_shipped_topologies_load() -> None:
+def test_shipped_topologies_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # shipped paths are relative to the checkout
+    secure = ROOT / "topologies" / "mocker-secure.toml"
+    # secrets named by environment must be there at load time, not fail a start later
+    for name in ("VLLM_ACTORS_SUPERVISOR_PASSWORD", "VLLM_ACTORS_WORKER_PASSWORD", "VLLM_ACTORS_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(TopologyError, match="bus.auth.password_env: environment variable "
+                                            "VLLM_ACTORS_SUPERVISOR_PASSWORD is not set"):
+        load_topology(secure)
+    for name in ("VLLM_ACTORS_SUPERVISOR_PASSWORD", "VLLM_ACTORS_WORKER_PASSWORD", "VLLM_ACTORS_API_KEY"):
+        monkeypatch.setenv(name, "x")
     for path in sorted((ROOT / "topologies").glob("*.toml")):
         load_topology(path)
 

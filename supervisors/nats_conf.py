@@ -1,0 +1,96 @@
+"""The nats-server configuration a deployment's own server runs with (embedded child or the
+generated systemd unit), derived from the topology's ``bus`` section.
+
+The server admits exactly what the topology says its processes connect with:
+
+- ``bus.server_config`` set: that file is included and alone decides who may connect and what each
+  user may do (per-role users, accounts, an operator and resolver for creds);
+- else ``bus.auth``: one token, one user/password or one nkey, and nobody else;
+- else nobody is asked for anything (loopback only: the server listens on 127.0.0.1).
+
+``bus.tls.server_cert_file``/``server_key_file`` make the server require TLS; ``verify_clients``
+makes it require client certificates signed by ``bus.tls.ca_file``.
+
+The rendered file holds secrets (a token, a password): it is written with mode 0600, and its
+content is never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from bus.embedded import MAX_PAYLOAD
+from bus.secrets import SecretError, password, read_secret_file, token
+from supervisors.topology import BusAuth, BusConfig
+
+
+def nkey_public(seed_path: str) -> str:
+    """The public key (U...) of a user nkey seed file."""
+    import nkeys
+
+    seed = read_secret_file(seed_path, "bus.auth.nkey_seed")
+    try:
+        return nkeys.from_seed(seed.encode()).public_key.decode()
+    except Exception as e:
+        raise SecretError(f"bus.auth.nkey_seed: {seed_path} holds no valid nkey seed ({type(e).__name__})") from None
+
+
+def _q(value: str) -> str:
+    """A quoted nats-server config string (its parser reads JSON-style escapes)."""
+    return json.dumps(value)
+
+
+def _authorization(auth: BusAuth) -> list[str]:
+    kind = auth.kind()
+    if kind == "token":
+        return [f"authorization {{ token: {_q(token(auth) or '')} }}"]
+    if kind == "user":
+        return [f"authorization {{ user: {_q(auth.user or '')}, password: {_q(password(auth) or '')} }}"]
+    if kind == "nkey":
+        assert auth.nkey_seed is not None
+        return [f"authorization {{ users = [ {{ nkey: {_q(nkey_public(auth.nkey_seed))} }} ] }}"]
+    if kind == "creds":  # the loader refuses this without server_config; keep the server closed anyway
+        raise SecretError("bus.auth.creds needs bus.server_config (an operator-mode nats-server config)")
+    return []
+
+
+def render(bus: BusConfig, conf_dir: str | Path, max_payload: int = MAX_PAYLOAD) -> str:
+    """The config file's text; ``conf_dir`` is where it will be written (includes are relative)."""
+    lines = [f"max_payload: {max_payload}"]
+    if bus.server_config:
+        included = os.path.abspath(os.path.expanduser(bus.server_config))
+        # nats-server resolves an include against the including file's directory, even an absolute one
+        lines.append(f"include {_q(os.path.relpath(included, os.path.abspath(conf_dir)))}")
+    else:
+        lines += _authorization(bus.auth)
+    tls = bus.tls
+    if tls is not None and tls.server_cert_file and tls.server_key_file:
+        items = [f"cert_file: {_q(os.path.abspath(tls.server_cert_file))}",
+                 f"key_file: {_q(os.path.abspath(tls.server_key_file))}"]
+        if tls.ca_file:
+            items.append(f"ca_file: {_q(os.path.abspath(tls.ca_file))}")
+        if tls.verify_clients:
+            items.append("verify: true")
+        lines.append("tls { " + ", ".join(items) + " }")
+    return "\n".join(lines) + "\n"
+
+
+def write(bus: BusConfig, path: str | Path, max_payload: int = MAX_PAYLOAD) -> None:
+    """Write the config with mode 0600 (it may hold a token or password)."""
+    path = Path(path)
+    text = render(bus, path.parent, max_payload)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # an older file may have been created with a wider mode
+        f.write(text)
+
+
+def describe(bus: BusConfig) -> str:
+    """Who the server admits, for --check and the boot log (never a secret)."""
+    who = (f"users of {bus.server_config}" if bus.server_config
+           else f"{bus.auth.kind()} auth" if bus.auth.kind() else "no auth, loopback only")
+    tls = bus.tls is not None and bool(bus.tls.server_cert_file and bus.tls.server_key_file)
+    return who + (", TLS" + (" with client certificates" if bus.tls and bus.tls.verify_clients else "")
+                  if tls else "")

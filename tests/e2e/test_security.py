@@ -1,0 +1,226 @@
+"""A deployment started with the CLI is closed the way the topology says, tried as an attacker on the
+same host would: bus auth enforced by the embedded nats-server for each auth kind (anonymous and
+wrong credentials refused, the frontend and a worker still serve), no secret in the process list or
+the logs, no command runnable through any supervisor's ``spawn``, and per-role users (the shipped
+topologies/mocker-secure.toml) that let an observer look but not act."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from bus.connection import connect
+from supervisors.topology import BusAuth, BusConfig, BusTLS
+from tests.e2e.conftest import Deployment, chat_body, http_json, post
+from tests.helpers import listening_hosts, make_certs, make_nkey
+
+MODEL = "tiny"
+
+
+def _process_list() -> str:
+    return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+
+
+async def _connects(url: str, auth: BusAuth, tls: BusTLS | None = None) -> bool:
+    try:
+        nc = await connect(BusConfig(url=url, auth=auth, tls=tls), "security-test", initial_attempts=1)
+    except Exception:  # nats-py raises several auth error types
+        return False
+    await nc.flush()
+    await nc.close()
+    return True
+
+
+def _wait_health(d: Deployment, agg: int, timeout: float = 90.0) -> dict[str, Any]:
+    """/health stays open without the API key; wait for ``agg`` ready workers."""
+    assert d.proc is not None
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if d.proc.poll() is not None:
+            pytest.fail(f"supervisor exited with {d.proc.returncode}:\n{d.output()}")
+        try:
+            status, body = d.health()
+        except (OSError, ValueError):
+            status, body = 0, None
+        if status == 200 and sum(i["role"] == "agg" for i in body["instances"]) >= agg:
+            return body
+        time.sleep(0.25)
+    pytest.fail(f"not ready in {timeout}s:\n{d.output()}")
+
+
+@pytest.fixture
+def started() -> Iterator[list[Deployment]]:
+    ds: list[Deployment] = []
+    yield ds
+    for d in ds:
+        if d.proc is not None:
+            code = d.stop(30)
+            assert code == 0, d.output()
+
+
+def _kinds(tmp: Path) -> dict[str, tuple[list[str], str, list[BusAuth], BusTLS | None]]:
+    """auth kind -> (--set overrides, the secret that must show nowhere, wrong credentials, client TLS)."""
+    token = "tok-" + secrets.token_hex(8)
+    (tmp / "token").write_text(token + "\n")
+    password = "pw-" + secrets.token_hex(8)
+    (tmp / "password").write_text(password + "\n")
+    make_nkey(tmp / "user.nk")
+    make_nkey(tmp / "other.nk")
+    seed = (tmp / "user.nk").read_text().strip()
+    c = make_certs(str(tmp))
+    tls = BusTLS(ca_file=c["ca"])
+    return {
+        "token": ([f"bus.auth.token_file={tmp / 'token'}"], token, [BusAuth(token="tok-wrong")], None),
+        "user": (["bus.auth.user=alice", f"bus.auth.password_file={tmp / 'password'}"], password,
+                 [BusAuth(user="alice", password="nope"), BusAuth(user="bob", password=password)], None),
+        # nkey over TLS: the embedded server requires TLS with its own certificate
+        "nkey_tls": ([f"bus.auth.nkey_seed={tmp / 'user.nk'}", f"bus.tls.ca_file={c['ca']}",
+                      f"bus.tls.server_cert_file={c['server_cert']}",
+                      f"bus.tls.server_key_file={c['server_key']}"], seed,
+                     [BusAuth(nkey_seed=str(tmp / "other.nk"))], tls),
+    }
+
+
+@pytest.mark.parametrize("kind", ["token", "user", "nkey_tls"])
+def test_bus_auth_is_enforced_and_secrets_stay_hidden(kind: str, tmp_path: Path,
+                                                      started: list[Deployment]) -> None:
+    sets, secret, wrong, tls = _kinds(tmp_path)[kind]
+    d = Deployment("mocker-agg.toml", tmp_path, f"sec{kind.replace('_', '')}{os.getpid()}", sets=sets,
+                   status_pools={"agg": 1})
+    started.append(d)
+    d.start()
+    d.wait_ready({"agg": 1}, 90)
+    code, _, text = post(d.url + "/v1/chat/completions", chat_body(MODEL))
+    assert code == 200, text  # the frontend and the worker both connected with the credentials
+
+    good = BusAuth(token_file=str(tmp_path / "token")) if kind == "token" else \
+        BusAuth(user="alice", password_file=str(tmp_path / "password")) if kind == "user" else \
+        BusAuth(nkey_seed=str(tmp_path / "user.nk"))
+
+    async def probe() -> None:
+        assert await _connects(d.bus_url, good, tls)
+        assert not await _connects(d.bus_url, BusAuth(), tls), "anonymous client admitted"
+        for w in wrong:
+            assert not await _connects(d.bus_url, w, tls), f"wrong credentials admitted: {w}"
+        if tls is not None:
+            assert not await _connects(d.bus_url, good, None), "client without the CA admitted"
+    asyncio.run(probe())
+
+    assert secret not in _process_list()
+    assert secret not in d.log.read_text(errors="replace")
+    # the shipped agg pools' status servers stay on loopback
+    assert listening_hosts(d.status_ports["agg"]) == {"127.0.0.1"}
+
+
+def test_no_supervisor_runs_a_command_from_the_bus(tmp_path: Path, started: list[Deployment]) -> None:
+    """The issue's payload against a worker process's own supervisor, and against the root: both
+    refused, no file created; scaling names the pool and the host instead, and the new replica serves."""
+    d = Deployment("mocker-agg.toml", tmp_path, f"secspawn{os.getpid()}")
+    started.append(d)
+    d.start()
+    d.wait_ready({"agg": 1}, 90)
+    marker = tmp_path / "pwned"
+    old = json.dumps({"id": "p", "argv": ["/usr/bin/touch", str(marker)], "restart": "temporary",
+                      "ready": "spawn"}).encode()
+    ns = d.namespace
+
+    async def run() -> None:
+        nc = await nats.connect(d.bus_url)
+        try:
+            for subject in (f"{ns}.supervisor.local.worker-agg-0.spawn", f"{ns}.supervisor.local.spawn"):
+                msg = await nc.request(subject, old, timeout=10)
+                assert msg.headers and msg.headers.get("Nats-Service-Error-Code") == "400", (subject, msg.headers)
+            msg = await nc.request(f"{ns}.supervisor.local.worker-agg-0.spawn", b'{"pool": "agg"}', timeout=10)
+            assert msg.headers and "fixed set of children" in msg.headers.get("Nats-Service-Error", "")
+            msg = await nc.request(f"{ns}.supervisor.local.spawn", b'{"pool": "agg"}', timeout=90)
+            assert not (msg.headers or {}).get("Nats-Service-Error"), msg.headers
+            reply = json.loads(msg.data)
+            assert reply["status"] == "ok" and reply["child"]["id"] == "worker-agg-1", reply
+        finally:
+            await nc.close()
+    asyncio.run(run())
+    time.sleep(0.5)
+    assert not marker.exists()
+    body = _wait_health(d, agg=2)
+    assert len({i["instance"] for i in body["instances"]}) == 2
+    code, _, text = post(d.url + "/v1/chat/completions", chat_body(MODEL))
+    assert code == 200, text
+
+
+def test_per_role_users_of_the_shipped_secure_topology(tmp_path: Path, started: list[Deployment]) -> None:
+    """topologies/mocker-secure.toml with topologies/secure/roles.conf: the deployment serves with
+    its restricted worker user; an observer can list services but not sleep a worker or load a
+    LoRA; a worker's user cannot spawn; anonymous clients are refused."""
+    pw = {role: f"{role}-{secrets.token_hex(6)}" for role in ("supervisor", "worker", "operator", "observer")}
+    env = {f"VLLM_ACTORS_{r.upper()}_PASSWORD": p for r, p in pw.items()}
+    env["VLLM_ACTORS_API_KEY"] = api_key = "key-" + secrets.token_hex(6)
+    d = Deployment("mocker-secure.toml", tmp_path, "dynamo", env=env, status_pools={"agg": 1})
+    started.append(d)
+    d.start()
+    body = _wait_health(d, agg=1)
+    instance = body["instances"][0]["instance"]
+    status, _ = http_json(d.url + "/v1/models")
+    assert status == 401  # the key comes from VLLM_ACTORS_API_KEY
+    req = urllib.request.Request(d.url + "/v1/chat/completions", data=json.dumps(chat_body(MODEL)).encode(),
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+
+    async def as_user(user: str) -> Any:
+        return await nats.connect(d.bus_url, user=user, password=pw[user], max_reconnect_attempts=1,
+                                  allow_reconnect=False)
+
+    async def refused(nc: Any, subject: str, payload: bytes) -> bool:
+        try:
+            await nc.request(subject, payload, timeout=2)
+        except Exception:  # a permissions violation drops the request: no reply comes
+            return True
+        return False
+
+    async def run() -> None:
+        assert not await _connects(d.bus_url, BusAuth())
+        assert not await _connects(d.bus_url, BusAuth(user="observer", password="wrong"))
+        obs = await as_user("observer")
+        try:
+            info = await obs.request("$SRV.INFO", b"", timeout=5)
+            assert json.loads(info.data)["name"]
+            kids = await obs.request("dynamo.supervisor.local.children", b"", timeout=5)
+            assert "worker-agg-0" in {c["id"] for c in json.loads(kids.data)["children"]}
+            assert await refused(obs, f"dynamo.worker.{instance}.sleep", b"{}")
+            assert await refused(obs, f"dynamo.worker.{instance}.lora.load",
+                                 b'{"lora_name": "x", "source": {"uri": "file:///tmp/x"}}')
+            assert await refused(obs, "dynamo.supervisor.local.spawn", b'{"pool": "agg"}')
+        finally:
+            await obs.close()
+        wk = await as_user("worker")
+        try:
+            assert await refused(wk, "dynamo.supervisor.local.spawn", b'{"pool": "agg"}')
+            assert await refused(wk, "dynamo.supervisor.local.worker-agg-0.stop", b'{"id": "engine"}')
+        finally:
+            await wk.close()
+        op = await as_user("operator")
+        try:  # an operator may act: health of the worker it would put to sleep
+            h = await op.request(f"dynamo.worker.{instance}.health", b"", timeout=5)
+            assert json.loads(h.data)["status"] == "healthy"
+        finally:
+            await op.close()
+    asyncio.run(run())
+
+    # the observer's refused sleep changed nothing: the worker is awake and serving
+    body = _wait_health(d, agg=1, timeout=5)
+    assert body["instances"][0]["instance"] == instance
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+    listing = _process_list()
+    assert not any(p in listing for p in pw.values()) and api_key not in listing
