@@ -121,3 +121,63 @@ def make_nkey(path: Any) -> str:
         f.write(seed + b"\n")
     os.chmod(path, 0o600)
     return nkeys.from_seed(seed).public_key.decode()
+
+
+def make_operator(dirpath: Any) -> dict[str, str]:
+    """A NATS operator-mode setup in ``dirpath``, as `nsc` would make one: an operator, a system
+    account, an account with JetStream, and users as .creds files. Returns paths:
+    {"server_conf": the nats-server config (operator, resolver MEMORY, preloaded accounts),
+     "creds": a user of the account, "stranger": a user of an account the server does not know,
+     "forged": the account user's JWT with another user's seed}."""
+    import base64
+    import hashlib
+    import json
+
+    import nkeys
+
+    def b64(b: bytes) -> str:
+        return base64.urlsafe_b64encode(b).rstrip(b"=").decode()
+
+    def key(prefix: int) -> tuple[bytes, Any, str]:
+        seed = nkeys.encode_seed(os.urandom(32), prefix)
+        kp = nkeys.from_seed(seed)
+        return seed, kp, kp.public_key.decode()
+
+    def jwt(signer: Any, iss: str, sub: str, name: str, nats: dict[str, Any]) -> str:
+        claims: dict[str, Any] = {"iat": int(time.time()), "iss": iss, "name": name, "sub": sub, "nats": nats}
+        claims["jti"] = base64.b32encode(hashlib.sha256(json.dumps(claims, sort_keys=True).encode())
+                                         .digest()).decode().rstrip("=")
+        head = b64(json.dumps({"typ": "JWT", "alg": "ed25519-nkey"}).encode())
+        body = b64(json.dumps(claims).encode())
+        return f"{head}.{body}.{b64(signer.sign(f'{head}.{body}'.encode()))}"
+
+    def creds(path: str, user_jwt: str, seed: bytes) -> str:
+        with open(path, "w") as f:
+            f.write(f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"
+                    f"-----BEGIN USER NKEY SEED-----\n{seed.decode()}\n------END USER NKEY SEED------\n")
+        os.chmod(path, 0o600)
+        return path
+
+    unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True,
+                 "conn": -1, "leaf": -1}
+    _, op, op_pub = key(nkeys.PREFIX_BYTE_OPERATOR)
+    _, sys_kp, sys_pub = key(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, acct, acct_pub = key(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, other, other_pub = key(nkeys.PREFIX_BYTE_ACCOUNT)
+    op_jwt = jwt(op, op_pub, op_pub, "test-operator", {"type": "operator", "version": 2, "system_account": sys_pub})
+    sys_jwt = jwt(op, op_pub, sys_pub, "SYS", {"limits": unlimited, "type": "account", "version": 2})
+    js = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
+    acct_jwt = jwt(op, op_pub, acct_pub, "app", {"limits": {**unlimited, **js}, "type": "account", "version": 2})
+    out = {"server_conf": os.path.join(dirpath, "operator.conf")}
+    with open(out["server_conf"], "w") as f:
+        f.write(f'operator: "{op_jwt}"\nsystem_account: {sys_pub}\nresolver: MEMORY\n'
+                f'resolver_preload: {{\n  {acct_pub}: "{acct_jwt}"\n  {sys_pub}: "{sys_jwt}"\n}}\n')
+    user_claims = {"pub": {}, "sub": {}, "subs": -1, "data": -1, "payload": -1, "type": "user", "version": 2}
+    seed, _, pub = key(nkeys.PREFIX_BYTE_USER)
+    user_jwt = jwt(acct, acct_pub, pub, "app-user", user_claims)
+    out["creds"] = creds(os.path.join(dirpath, "user.creds"), user_jwt, seed)
+    seed2, _, pub2 = key(nkeys.PREFIX_BYTE_USER)
+    out["stranger"] = creds(os.path.join(dirpath, "stranger.creds"),
+                            jwt(other, other_pub, pub2, "stranger", user_claims), seed2)
+    out["forged"] = creds(os.path.join(dirpath, "forged.creds"), user_jwt, seed2)
+    return out

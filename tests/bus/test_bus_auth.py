@@ -15,7 +15,7 @@ from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
 from supervisors import nats_conf
 from supervisors.topology import BusAuth, BusConfig, BusTLS
-from tests.helpers import make_certs, make_nkey
+from tests.helpers import make_certs, make_nkey, make_operator
 
 
 async def _server(tmp_path: Path, bus: BusConfig) -> EmbeddedNats:
@@ -68,6 +68,14 @@ async def test_nkey_seed(tmp_path: Path) -> None:
     make_nkey(tmp_path / "bad.nk")
     await _check(tmp_path, BusConfig(auth=BusAuth(nkey_seed=str(tmp_path / "good.nk"))),
                  [BusAuth(nkey_seed=str(tmp_path / "bad.nk")), BusAuth(token="x")])
+
+
+async def test_creds_with_an_operator_mode_server_config(tmp_path: Path) -> None:
+    """creds need an operator-mode server: the embedded one includes it via bus.server_config. A user
+    of an unknown account and a JWT presented with another key's signature are refused."""
+    op = make_operator(str(tmp_path))
+    bus = BusConfig(auth=BusAuth(creds=op["creds"]), server_config=op["server_conf"])
+    await _check(tmp_path, bus, [BusAuth(creds=op["stranger"]), BusAuth(creds=op["forged"])])
 
 
 async def test_tls_required_and_client_certificates(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ import pytest
 from bus.connection import connect
 from supervisors.topology import BusAuth, BusConfig, BusTLS
 from tests.e2e.conftest import Deployment, chat_body, http_json, post
-from tests.helpers import listening_hosts, make_certs, make_nkey
+from tests.helpers import listening_hosts, make_certs, make_nkey, make_operator
 
 MODEL = "tiny"
 
@@ -80,6 +80,8 @@ def _kinds(tmp: Path) -> dict[str, tuple[list[str], str, list[BusAuth], BusTLS |
     seed = (tmp / "user.nk").read_text().strip()
     c = make_certs(str(tmp))
     tls = BusTLS(ca_file=c["ca"])
+    op = make_operator(str(tmp))
+    creds_seed = next(line for line in Path(op["creds"]).read_text().splitlines() if line.startswith("SU"))
     return {
         "token": ([f"bus.auth.token_file={tmp / 'token'}"], token, [BusAuth(token="tok-wrong")], None),
         "user": (["bus.auth.user=alice", f"bus.auth.password_file={tmp / 'password'}"], password,
@@ -89,10 +91,13 @@ def _kinds(tmp: Path) -> dict[str, tuple[list[str], str, list[BusAuth], BusTLS |
                       f"bus.tls.server_cert_file={c['server_cert']}",
                       f"bus.tls.server_key_file={c['server_key']}"], seed,
                      [BusAuth(nkey_seed=str(tmp / "other.nk"))], tls),
+        # creds: the embedded server includes an operator-mode config (operator, accounts)
+        "creds": ([f"bus.server_config={op['server_conf']}", f"bus.auth.creds={op['creds']}"], creds_seed,
+                  [BusAuth(creds=op["stranger"]), BusAuth(creds=op["forged"])], None),
     }
 
 
-@pytest.mark.parametrize("kind", ["token", "user", "nkey_tls"])
+@pytest.mark.parametrize("kind", ["token", "user", "nkey_tls", "creds"])
 def test_bus_auth_is_enforced_and_secrets_stay_hidden(kind: str, tmp_path: Path,
                                                       started: list[Deployment]) -> None:
     sets, secret, wrong, tls = _kinds(tmp_path)[kind]
@@ -106,6 +111,7 @@ def test_bus_auth_is_enforced_and_secrets_stay_hidden(kind: str, tmp_path: Path,
 
     good = BusAuth(token_file=str(tmp_path / "token")) if kind == "token" else \
         BusAuth(user="alice", password_file=str(tmp_path / "password")) if kind == "user" else \
+        BusAuth(creds=str(tmp_path / "user.creds")) if kind == "creds" else \
         BusAuth(nkey_seed=str(tmp_path / "user.nk"))
 
     async def probe() -> None:
