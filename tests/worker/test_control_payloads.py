@@ -57,14 +57,6 @@ LORA_UNLOAD_BAD = COMMON_BAD + [(b'{"lora_name": ["a1"]}', "Expected `str`, got 
 
 
 @pytest.fixture
-def adapter_root(tmp_path: Path) -> Path:
-    a = tmp_path / "adapters" / "a1"
-    a.mkdir(parents=True)
-    (a / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
-    return tmp_path / "adapters"
-
-
-@pytest.fixture
 async def worker(bus: BusContext) -> AsyncIterator[EngineActor]:
     a = actor_for(bus)
     await a.start()

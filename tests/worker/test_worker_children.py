@@ -55,14 +55,6 @@ async def generate(ctx, instance: str, tokens: list[int], lora: str | None = Non
     return out
 
 
-@pytest.fixture
-def adapter_root(tmp_path: Path) -> Path:
-    a = tmp_path / "adapters" / "a1"
-    a.mkdir(parents=True)
-    (a / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 8}')
-    return tmp_path / "adapters"
-
-
 async def test_lora_and_kv_publisher_through_restart(nats_server, tmp_path: Path, adapter_root: Path) -> None:
     ns = f"w{secrets.token_hex(3)}"
     topo = write(tmp_path, nats_server.url, ns, extra=f'[pools.agg.lora]\nroots = ["{adapter_root}"]',
