@@ -56,3 +56,15 @@ def test_pool_spawner_names_a_pool_of_this_host() -> None:
         sp.spec("agg", -1, taken)
     with pytest.raises(BadRequest, match="status port"):
         sp.spec("agg", 6, [])  # 65530 + 6 > 65535
+
+
+def test_workers_connect_with_worker_auth() -> None:
+    from supervisors.topology import BusAuth
+    from supervisors.workers import worker_bus
+
+    t = _topology()
+    assert worker_bus(t) is t.bus  # no worker user: the deployment's own
+    t.bus.auth = BusAuth(user="supervisor", password_env="A")
+    t.bus.worker_auth = BusAuth(user="worker", password_env="B")
+    wb = worker_bus(t)
+    assert wb.auth.user == "worker" and wb.port == t.bus.port and t.bus.auth.user == "supervisor"
