@@ -11,7 +11,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import socket
+import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -75,21 +77,36 @@ def applied_env(env: Mapping[str, str]) -> Iterator[None]:
                     os.environ[k] = v
 
 
-KV_EVENTS_HOST = "127.0.0.1"
+def _ipc_dir() -> str:
+    """A directory only this user can enter, for the engines' ZMQ ipc sockets (short: ipc paths are
+    limited to ~107 bytes)."""
+    d = os.path.join(tempfile.gettempdir(), f"vllm-actors-{os.getuid()}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    os.chmod(d, 0o700)  # an older dir may have been made with a wider mode
+    return d
 
 
 def kv_events_config(port: int | None, dp_size: int = 1) -> Any:
-    """ZMQ KV events. ``port`` None → the OS picks ports (resolved later via get_kv_event_sources).
-    vLLM adds the DP rank to both ports, so rank r publishes on ``port + r``; the replay socket
-    goes on ``port + 1000 + r`` when those ports are free now, else on an OS-picked port."""
+    """ZMQ KV events for this worker's KV publisher actor, the sockets' only subscriber.
+
+    One DP rank: ipc sockets in a directory of this user's (``_ipc_dir``): no network listener at all.
+    vLLM binds an endpoint only when it holds ``*``, ``::`` or is ipc/inproc (anything else it
+    *connects*), so a loopback tcp address is not possible; ``tcp://*`` listens on every interface.
+    Several DP ranks: vLLM derives rank r's endpoint by adding r to a tcp port (ipc has no such rule),
+    so those stay on ``tcp://*``: rank r publishes on ``port + r``, the replay socket on
+    ``port + 1000 + r`` when those are free now, else on an OS-picked port (vLLM then binds the
+    node's IP)."""
     from vllm.config import KVEventsConfig
 
-    # loopback: the only subscriber is this worker's KV publisher actor (vLLM's default, "*",
-    # would show the engine's cache contents to every network the machine is on)
-    pub = f"tcp://{KV_EVENTS_HOST}:{port if port is not None else 0}"
-    replay = f"tcp://{KV_EVENTS_HOST}:0"
+    if dp_size == 1:
+        tag = f"{os.getpid()}-{port if port is not None else secrets.token_hex(4)}-{secrets.token_hex(2)}"
+        base = os.path.join(_ipc_dir(), f"kv-{tag}")
+        return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{base}.pub",
+                              replay_endpoint=f"ipc://{base}.replay", topic=TOPIC)
+    pub = f"tcp://*:{port}" if port is not None else "tcp://*:0"
+    replay = "tcp://*:0"
     if port is not None and all(_port_free(port + 1000 + r) for r in range(dp_size)):
-        replay = f"tcp://{KV_EVENTS_HOST}:{port + 1000}"
+        replay = f"tcp://*:{port + 1000}"
     return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
                           replay_endpoint=replay, topic=TOPIC)
 
@@ -99,7 +116,7 @@ def _port_free(port: int) -> bool:
         return False
     with socket.socket() as s:
         try:
-            s.bind((KV_EVENTS_HOST, port))
+            s.bind(("0.0.0.0", port))
         except OSError:
             return False
     return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 
 import msgspec
 import pytest
@@ -209,7 +210,10 @@ async def test_engine_args_defaults_and_roles() -> None:
     assert agg.enable_prefix_caching and agg.served_model_name == "m"
     assert isinstance(agg.kv_transfer_config, KVTransferConfig)
     assert isinstance(agg.kv_events_config, KVEventsConfig)
-    assert agg.kv_events_config.endpoint == "tcp://127.0.0.1:41000" and agg.kv_events_config.replay_endpoint
+    # one DP rank: ipc sockets in a directory of the user's, no network listener
+    ev = agg.kv_events_config
+    assert ev.endpoint.startswith("ipc://") and ev.replay_endpoint.startswith("ipc://")
+    assert stat.S_IMODE(os.stat(os.path.dirname(ev.endpoint[len("ipc://"):])).st_mode) == 0o700
     assert agg.block_size == 32 and agg.enforce_eager  # CPU defaults
     decode = build_engine_args({"model": "tiny", "block_size": 64, "enable_prefix_caching": False},
                                role="decode", kv_events_port=41000)
