@@ -12,6 +12,7 @@ returns the connector's ``kv_transfer_params`` (NIXL: where the decode engine pu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -140,6 +141,12 @@ class VllmEngine(Engine):
             # its __del__; drop our reference and collect its cycles while vLLM is still intact.
             del llm
             gc.collect()
+        # ZMQ leaves a bound ipc socket's file behind (KV events: vllm_args.kv_events_config)
+        for src in self._kv_sources:
+            for endpoint in (src.endpoint, src.replay_endpoint):
+                if endpoint and endpoint.startswith("ipc://"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(endpoint[len("ipc://"):])
 
     async def _watch_death(self) -> None:
         """vLLM's death flag is passive (check_health only reads it): poll it into ``dead``."""
