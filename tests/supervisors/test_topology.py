@@ -6,6 +6,7 @@ line (``# expect: <key.path>: <problem>``); the loader must produce ``<file>: ``
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,35 @@ def test_mocker_engine_args_are_free_form_and_agg_disagg_mix_is_fine() -> None:
 def test_int_is_accepted_for_float_fields() -> None:
     t = topology_from_dict({"frontend": {"enabled": False}, "supervisor": {"period": 5}}, "t.toml")
     assert t.supervisor.period == 5.0
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["bus.auth.token=a", "bus.auth.user=u"], "bus.auth.user: choose one auth method; token is already set"),
+    (["bus.auth.user=u", "bus.auth.password=p", "bus.auth.password_env=HOME"],
+     "bus.auth.password_env: password is already set"),
+    (["bus.auth.user=u"], "bus.auth.password: user and password go together"),
+    (["bus.auth.token_file=/nonexistent/token"], "bus.auth.token_file: cannot read /nonexistent/token"),
+    (["bus.auth.nkey_seed=/nonexistent/u.nk"], "bus.auth.nkey_seed: cannot read"),
+    (["bus.auth.creds=/etc/hostname"], "bus.auth.creds: creds need an operator-mode server"),
+    (["bus.auth.token=a", "bus.worker_auth.token=b"], "bus.worker_auth: a second user needs bus.server_config"),
+    (["bus.tls.server_cert_file=/etc/hostname"], "server_cert_file and server_key_file go together"),
+    (["bus.tls.verify_clients=true"], "bus.tls.verify_clients: needs server_cert_file"),
+    (["frontend.api_key=a", "frontend.api_key_env=HOME"], "frontend.api_key_env: choose one"),
+    (["frontend.api_key_env=VLLM_ACTORS_SURELY_UNSET"], "frontend.api_key_env: environment variable"),
+    (["frontend.metrics_auth=true"], "frontend.metrics_auth: protects /metrics with the API key"),
+])
+def test_auth_and_secret_settings_are_checked_at_load(sets: list[str], message: str) -> None:
+    """A secret that cannot be read is a usage error now, not a start retried until the root gives up."""
+    with pytest.raises(TopologyError, match=re.escape(message)):
+        load_topology(ROOT / "topologies" / "mocker-agg.toml", sets)
+
+
+def test_worker_auth_with_server_config_and_secrets_by_file(tmp_path: Path) -> None:
+    users = tmp_path / "users.conf"
+    users.write_text("authorization { users = [] }\n")
+    pw = tmp_path / "pw"
+    pw.write_text("secret\n")
+    t = load_topology(ROOT / "topologies" / "mocker-agg.toml", [
+        f"bus.server_config={users}", "bus.auth.user=sup", f"bus.auth.password_file={pw}",
+        "bus.worker_auth.user=wk", f"bus.worker_auth.password_file={pw}"])
+    assert t.bus.auth.kind() == "user" and t.bus.worker_auth is not None and t.bus.worker_auth.user == "wk"
