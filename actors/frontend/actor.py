@@ -176,6 +176,7 @@ class FrontendActor(Actor):
         if now - self._children[0] < 1.0:
             return
         views: dict[str, dict[str, Any]] = {}
+        failed: list[str] = []
 
         async def ask(host: str) -> None:
             try:
@@ -183,12 +184,18 @@ class FrontendActor(Actor):
                                           timeout=0.5)
             except Exception as e:  # noqa: BLE001 - a missing view only makes the body less precise
                 log.debug("children of supervisor %s: %s", host, e)
+                failed.append(host)
                 return
             for child in reply.get("children", []):
                 views[child["id"]] = child
 
         await asyncio.gather(*(ask(h) for h in self.supervisor_hosts))
-        self._children = (now, views)
+        if failed:
+            # a supervisor that did not answer in time (a busy start-up): keep what it said last and
+            # ask again on the next /health instead of caching "unknown" for a second
+            self._children = (self._children[0], {**self._children[1], **views})
+        else:
+            self._children = (now, views)
 
     def _readiness_changed(self) -> None:
         """Log (and report as sd_notify STATUS=) each change between serving and not serving."""
