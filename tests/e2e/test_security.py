@@ -207,6 +207,10 @@ def test_per_role_users_of_the_shipped_secure_topology(tmp_path: Path, started: 
             assert await refused(obs, f"dynamo.worker.{instance}.lora.load",
                                  b'{"lora_name": "x", "source": {"uri": "file:///tmp/x"}}')
             assert await refused(obs, "dynamo.supervisor.local.spawn", b'{"pool": "agg"}')
+            # `nats kv ls/get` of the registry: reads through JetStream's API
+            kv = await obs.jetstream().key_value("dynamo-instances")
+            assert instance in await kv.keys()
+            assert json.loads((await kv.get(instance)).value)["instance"] == instance
         finally:
             await obs.close()
         wk = await as_user("worker")
