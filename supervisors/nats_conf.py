@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from bus.embedded import MAX_PAYLOAD
+from bus.embedded import MAX_PAYLOAD, server_config
 from bus.secrets import SecretError, password, read_secret_file, token
 from supervisors.topology import BusAuth, BusConfig
 
@@ -58,7 +58,7 @@ def _authorization(auth: BusAuth) -> list[str]:
 
 def render(bus: BusConfig, conf_dir: str | Path, max_payload: int = MAX_PAYLOAD) -> str:
     """The config file's text; ``conf_dir`` is where it will be written (includes are relative)."""
-    lines = [f"max_payload: {max_payload}"]
+    lines = [server_config(max_payload).rstrip("\n")]  # what every embedded server runs with
     if bus.server_config:
         included = os.path.abspath(os.path.expanduser(bus.server_config))
         # nats-server resolves an include against the including file's directory, even an absolute one

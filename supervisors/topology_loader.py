@@ -8,7 +8,6 @@ the offending key ourselves (see ``_resolve_path``) because "pools[...]" does no
 from __future__ import annotations
 
 import copy
-import os
 import re
 import tomllib
 import types
@@ -19,9 +18,9 @@ from typing import Any
 
 import msgspec
 
-from bus import secrets
 from bus.subjects import check_token
-from supervisors.topology import BusAuth, FrontendConfig, PoolConfig, Topology
+from supervisors.credential_checks import check_api_key, check_bus
+from supervisors.topology import PoolConfig, Topology
 
 _BUS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -271,7 +270,7 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
             if not url.strip().startswith(_BUS_SCHEMES):
                 fail("bus.url", f"expected {'|'.join(s[:-3] for s in _BUS_SCHEMES)}://host:port, got {url!r}"
                      " (leave bus.url out to embed a nats-server)")
-    _check_bus(t, fail)
+    check_bus(t.bus, fail)
 
     _check_supervisor(t.supervisor, "supervisor", fail, positive)
 
@@ -291,7 +290,7 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         positive("frontend.max_body_bytes", t.frontend.max_body_bytes)
         if t.frontend.busy_threshold is not None and not 0 < t.frontend.busy_threshold <= 1:
             fail("frontend.busy_threshold", f"expected a fraction in (0, 1], got {t.frontend.busy_threshold}")
-        _check_api_key(t.frontend, fail)
+        check_api_key(t.frontend, fail)
 
     for name, pool in t.pools.items():
         _check_pool(name, pool, t, fail, token, port, positive)
@@ -330,77 +329,6 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         v = getattr(s, key)
         if v is not None and not v.startswith("/"):
             fail(f"systemd.{key}", f"systemd needs an absolute path, got {v!r}")
-
-
-def _check_auth(a: BusAuth, key: str, fail: Any) -> None:
-    methods = [n for n in ("token", "token_file", "token_env", "user", "nkey_seed", "creds")
-               if getattr(a, n) is not None]
-    if len(methods) > 1:
-        fail(f"{key}.{methods[1]}", f"choose one auth method; {methods[0]} is already set")
-    passwords = [n for n in ("password", "password_file", "password_env") if getattr(a, n) is not None]
-    if len(passwords) > 1:
-        fail(f"{key}.{passwords[1]}", f"{passwords[0]} is already set")
-    if (a.user is None) != (not passwords):
-        fail(f"{key}.password" if a.user else f"{key}.user", "user and password go together")
-    # secrets must be readable now: a start that fails on them later would only be retried
-    try:
-        secrets.token(a, key)
-        secrets.password(a, key)
-    except secrets.SecretError as e:
-        setting, _, problem = str(e).partition(": ")
-        fail(setting, problem)
-    for field in ("nkey_seed", "creds"):
-        path = getattr(a, field)
-        if path is not None and not os.access(os.path.expanduser(path), os.R_OK):
-            fail(f"{key}.{field}", f"cannot read {path}")
-
-
-def _check_bus(t: Topology, fail: Any) -> None:
-    b = t.bus
-    _check_auth(b.auth, "bus.auth", fail)
-    if b.worker_auth is not None:
-        _check_auth(b.worker_auth, "bus.worker_auth", fail)
-    embedded = b.url is None
-    # server_config and the server's TLS files configure the embedded server; with bus.url they
-    # are not read (worker processes get bus.url pointing at their host's embedded server)
-    if b.server_config is not None:
-        if not os.access(os.path.expanduser(b.server_config), os.R_OK):
-            fail("bus.server_config", f"cannot read {b.server_config}")
-    elif embedded:
-        # without a server config the embedded server admits exactly bus.auth
-        if b.auth.creds is not None:
-            fail("bus.auth.creds", "creds need an operator-mode server: set bus.server_config "
-                 "(operator, resolver and accounts) or bus.url")
-        if b.worker_auth is not None and b.worker_auth != b.auth:
-            fail("bus.worker_auth", "a second user needs bus.server_config (its users and permissions) "
-                 "or bus.url")
-    tls = b.tls
-    if tls is not None:
-        if (tls.cert_file is None) != (tls.key_file is None):
-            fail("bus.tls.key_file" if tls.cert_file else "bus.tls.cert_file", "cert_file and key_file go together")
-        if (tls.server_cert_file is None) != (tls.server_key_file is None):
-            fail("bus.tls.server_key_file" if tls.server_cert_file else "bus.tls.server_cert_file",
-                 "server_cert_file and server_key_file go together")
-        if tls.verify_clients and (tls.ca_file is None or tls.server_cert_file is None):
-            fail("bus.tls.verify_clients", "needs server_cert_file/server_key_file and the clients' ca_file")
-        for field in ("ca_file", "cert_file", "key_file", "server_cert_file", "server_key_file"):
-            path = getattr(tls, field)
-            if path is not None and not os.access(os.path.expanduser(path), os.R_OK):
-                fail(f"bus.tls.{field}", f"cannot read {path}")
-
-
-def _check_api_key(fe: FrontendConfig, fail: Any) -> None:
-    given = [n for n in ("api_key", "api_key_file", "api_key_env") if getattr(fe, n) is not None]
-    if len(given) > 1:
-        fail(f"frontend.{given[1]}", f"choose one; frontend.{given[0]} is already set")
-    try:
-        secrets.resolve(fe.api_key, fe.api_key_file, fe.api_key_env, "frontend.api_key")
-    except secrets.SecretError as e:
-        setting, _, problem = str(e).partition(": ")
-        fail(setting, problem)
-    if fe.metrics_auth and not given:
-        fail("frontend.metrics_auth", "protects /metrics with the API key: set frontend.api_key_file "
-             "(or api_key_env, api_key)")
 
 
 def _check_supervisor(s: Any, prefix: str, fail: Any, positive: Any) -> None:

@@ -36,9 +36,6 @@ from supervisors.child import Child, ChildSpec
 from supervisors.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
 from supervisors.workers import bus_url, embeds_nats, worker_spec
 
-__all__ = ["BusLink", "HostPlan", "Node", "build_host_tree", "bus_url", "describe_plan", "embeds_nats",
-           "pending_hooks", "plan_host", "run_dir"]
-
 log = logging.getLogger(__name__)
 
 # Bound on the first connect: nats-py retries forever, which would hang a start whose server is not

@@ -13,6 +13,7 @@ another process's command line, while its environment is readable by its owner a
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Collection
 from pathlib import Path
@@ -67,7 +68,6 @@ def worker_env(t: Topology, pool: PoolConfig, overrides: list[str]) -> dict[str,
 
 def overrides_from_env(env: dict[str, str] | None = None) -> list[str]:
     """The overrides a worker was given by its supervisor (empty when started by hand)."""
-    import os
     raw = (env if env is not None else os.environ).get(OVERRIDES_ENV)
     if not raw:
         return []

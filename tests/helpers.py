@@ -181,3 +181,17 @@ def make_operator(dirpath: Any) -> dict[str, str]:
                             jwt(other, other_pub, pub2, "stranger", user_claims), seed2)
     out["forged"] = creds(os.path.join(dirpath, "forged.creds"), user_jwt, seed2)
     return out
+
+
+async def bus_admits(url: str, auth: Any, tls: Any = None) -> bool:
+    """Whether a nats-server at ``url`` admits a client with ``auth`` (a BusAuth) and ``tls`` (a BusTLS)."""
+    from bus.connection import connect
+    from supervisors.topology import BusConfig
+
+    try:
+        nc = await connect(BusConfig(url=url, auth=auth, tls=tls), "auth-probe", initial_attempts=1)
+    except Exception:  # nats-py raises several auth and TLS error types
+        return False
+    await nc.flush()
+    await nc.close()
+    return True

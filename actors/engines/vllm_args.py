@@ -99,8 +99,7 @@ def kv_events_config(port: int | None, dp_size: int = 1) -> Any:
     from vllm.config import KVEventsConfig
 
     if dp_size == 1:
-        tag = f"{os.getpid()}-{port if port is not None else secrets.token_hex(4)}-{secrets.token_hex(2)}"
-        base = os.path.join(_ipc_dir(), f"kv-{tag}")
+        base = os.path.join(_ipc_dir(), f"kv-{os.getpid()}-{secrets.token_hex(4)}")
         return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{base}.pub",
                               replay_endpoint=f"ipc://{base}.replay", topic=TOPIC)
     pub = f"tcp://*:{port}" if port is not None else "tcp://*:0"

@@ -47,7 +47,7 @@ from supervisors.sdnotify import Notifier, serve_root
 from supervisors.service import SupervisorService
 from supervisors.supervisor import Supervisor
 from supervisors.topology import PoolConfig, Topology
-from supervisors.topology_loader import TopologyError, load_topology
+from supervisors.topology_loader import load_topology
 from supervisors.workers import MAX_REPLICA, overrides_from_env, worker_bus, worker_child_id
 
 log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # the supervisor's overrides come by environment (they may hold secrets), ours after them
         t = load_topology(args.topology, [*overrides_from_env(), *args.overrides])
-    except (TopologyError, ValueError) as e:
+    except ValueError as e:  # a TopologyError, or a malformed VLLM_ACTORS_SET
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.pool not in t.pools:

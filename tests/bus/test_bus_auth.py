@@ -11,11 +11,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from bus.connection import connect
 from bus.embedded import EmbeddedNats, free_port
 from supervisors import nats_conf
 from supervisors.topology import BusAuth, BusConfig, BusTLS
-from tests.helpers import make_certs, make_nkey, make_operator
+from tests.helpers import bus_admits, make_certs, make_nkey, make_operator
 
 
 async def _server(tmp_path: Path, bus: BusConfig) -> EmbeddedNats:
@@ -25,23 +24,13 @@ async def _server(tmp_path: Path, bus: BusConfig) -> EmbeddedNats:
     return srv
 
 
-async def _connects(url: str, auth: BusAuth, tls: BusTLS | None = None) -> bool:
-    try:
-        nc = await connect(BusConfig(url=url, auth=auth, tls=tls), "auth-test", initial_attempts=1)
-    except Exception:  # nats-py raises several auth/TLS error types
-        return False
-    await nc.flush()
-    await nc.close()
-    return True
-
-
 async def _check(tmp_path: Path, bus: BusConfig, wrong: list[BusAuth]) -> None:
     srv = await _server(tmp_path, bus)
     try:
-        assert await _connects(srv.url, bus.auth, bus.tls)
-        assert not await _connects(srv.url, BusAuth(), bus.tls), "anonymous client admitted"
+        assert await bus_admits(srv.url, bus.auth, bus.tls)
+        assert not await bus_admits(srv.url, BusAuth(), bus.tls), "anonymous client admitted"
         for w in wrong:
-            assert not await _connects(srv.url, w, bus.tls), f"wrong credentials admitted: {w}"
+            assert not await bus_admits(srv.url, w, bus.tls), f"wrong credentials admitted: {w}"
         conf = Path(srv.store_dir or "") / "vllm-actors.conf"
         assert stat.S_IMODE(conf.stat().st_mode) == 0o600  # it holds the secret
     finally:
@@ -84,8 +73,8 @@ async def test_tls_required_and_client_certificates(tmp_path: Path) -> None:
     bus = BusConfig(auth=BusAuth(token="tls-tok"), tls=tls)
     srv = await _server(tmp_path / "one", bus)
     try:
-        assert await _connects(srv.url, bus.auth, tls)
-        assert not await _connects(srv.url, bus.auth, None), "plain-text client admitted"
+        assert await bus_admits(srv.url, bus.auth, tls)
+        assert not await bus_admits(srv.url, bus.auth, None), "plain-text client admitted"
     finally:
         await srv.stop()
     # verify_clients: a TLS client without a certificate signed by the CA is refused
@@ -94,8 +83,8 @@ async def test_tls_required_and_client_certificates(tmp_path: Path) -> None:
     srv = await _server(tmp_path / "two", bus)
     try:
         with_cert = msgspec.structs.replace(strict, cert_file=c["client_cert"], key_file=c["client_key"])
-        assert await _connects(srv.url, bus.auth, with_cert)
-        assert not await _connects(srv.url, bus.auth, tls), "client without a certificate admitted"
+        assert await bus_admits(srv.url, bus.auth, with_cert)
+        assert not await bus_admits(srv.url, bus.auth, tls), "client without a certificate admitted"
     finally:
         await srv.stop()
 
@@ -104,7 +93,7 @@ async def test_no_auth_means_an_open_loopback_server(tmp_path: Path) -> None:
     srv = await _server(tmp_path, BusConfig())
     try:
         assert srv.host == "127.0.0.1"
-        assert await _connects(srv.url, BusAuth())
+        assert await bus_admits(srv.url, BusAuth())
     finally:
         await srv.stop()
 

@@ -224,8 +224,10 @@ def chat_body(model: str, max_tokens: int = 4) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": max_tokens}
 
 
-def post(url: str, body: dict[str, Any], timeout: float = 60.0) -> tuple[int, dict[str, str], str]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def post(url: str, body: dict[str, Any], timeout: float = 60.0,
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, dict(r.headers), r.read().decode()

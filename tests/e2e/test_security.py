@@ -12,18 +12,16 @@ import os
 import secrets
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import nats
 import pytest
 
-from bus.connection import connect
-from supervisors.topology import BusAuth, BusConfig, BusTLS
+from supervisors.topology import BusAuth, BusTLS
 from tests.e2e.conftest import Deployment, chat_body, http_json, post
-from tests.helpers import listening_hosts, make_certs, make_nkey, make_operator
+from tests.helpers import bus_admits, listening_hosts, make_certs, make_nkey, make_operator
 
 MODEL = "tiny"
 
@@ -32,31 +30,12 @@ def _process_list() -> str:
     return subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
 
 
-async def _connects(url: str, auth: BusAuth, tls: BusTLS | None = None) -> bool:
-    try:
-        nc = await connect(BusConfig(url=url, auth=auth, tls=tls), "security-test", initial_attempts=1)
-    except Exception:  # nats-py raises several auth error types
-        return False
-    await nc.flush()
-    await nc.close()
-    return True
-
-
 def _wait_health(d: Deployment, agg: int, timeout: float = 90.0) -> dict[str, Any]:
     """/health stays open without the API key; wait for ``agg`` ready workers."""
-    assert d.proc is not None
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if d.proc.poll() is not None:
-            pytest.fail(f"supervisor exited with {d.proc.returncode}:\n{d.output()}")
-        try:
-            status, body = d.health()
-        except (OSError, ValueError):
-            status, body = 0, None
-        if status == 200 and sum(i["role"] == "agg" for i in body["instances"]) >= agg:
-            return body
-        time.sleep(0.25)
-    pytest.fail(f"not ready in {timeout}s:\n{d.output()}")
+    def ready() -> dict[str, Any] | None:
+        status, body = d.health()
+        return body if status == 200 and sum(i["role"] == "agg" for i in body["instances"]) >= agg else None
+    return d.wait_until(ready, timeout, f"/health 200 with {agg} agg worker(s)")
 
 
 @pytest.fixture
@@ -69,8 +48,15 @@ def started() -> Iterator[list[Deployment]]:
             assert code == 0, d.output()
 
 
-def _kinds(tmp: Path) -> dict[str, tuple[list[str], str, list[BusAuth], BusTLS | None]]:
-    """auth kind -> (--set overrides, the secret that must show nowhere, wrong credentials, client TLS)."""
+class Kind(NamedTuple):
+    sets: list[str]  # --set overrides
+    secret: str  # must show in no process's command line and no log
+    good: BusAuth  # what a client of the deployment connects with
+    wrong: list[BusAuth]
+    tls: BusTLS | None  # client TLS
+
+
+def _kinds(tmp: Path) -> dict[str, Kind]:
     token = "tok-" + secrets.token_hex(8)
     (tmp / "token").write_text(token + "\n")
     password = "pw-" + secrets.token_hex(8)
@@ -79,28 +65,31 @@ def _kinds(tmp: Path) -> dict[str, tuple[list[str], str, list[BusAuth], BusTLS |
     make_nkey(tmp / "other.nk")
     seed = (tmp / "user.nk").read_text().strip()
     c = make_certs(str(tmp))
-    tls = BusTLS(ca_file=c["ca"])
     op = make_operator(str(tmp))
     creds_seed = next(line for line in Path(op["creds"]).read_text().splitlines() if line.startswith("SU"))
     return {
-        "token": ([f"bus.auth.token_file={tmp / 'token'}"], token, [BusAuth(token="tok-wrong")], None),
-        "user": (["bus.auth.user=alice", f"bus.auth.password_file={tmp / 'password'}"], password,
-                 [BusAuth(user="alice", password="nope"), BusAuth(user="bob", password=password)], None),
+        "token": Kind([f"bus.auth.token_file={tmp / 'token'}"], token, BusAuth(token_file=str(tmp / "token")),
+                      [BusAuth(token="tok-wrong")], None),
+        "user": Kind(["bus.auth.user=alice", f"bus.auth.password_file={tmp / 'password'}"], password,
+                     BusAuth(user="alice", password_file=str(tmp / "password")),
+                     [BusAuth(user="alice", password="nope"), BusAuth(user="bob", password=password)], None),
         # nkey over TLS: the embedded server requires TLS with its own certificate
-        "nkey_tls": ([f"bus.auth.nkey_seed={tmp / 'user.nk'}", f"bus.tls.ca_file={c['ca']}",
-                      f"bus.tls.server_cert_file={c['server_cert']}",
-                      f"bus.tls.server_key_file={c['server_key']}"], seed,
-                     [BusAuth(nkey_seed=str(tmp / "other.nk"))], tls),
+        "nkey_tls": Kind([f"bus.auth.nkey_seed={tmp / 'user.nk'}", f"bus.tls.ca_file={c['ca']}",
+                          f"bus.tls.server_cert_file={c['server_cert']}",
+                          f"bus.tls.server_key_file={c['server_key']}"], seed,
+                         BusAuth(nkey_seed=str(tmp / "user.nk")), [BusAuth(nkey_seed=str(tmp / "other.nk"))],
+                         BusTLS(ca_file=c["ca"])),
         # creds: the embedded server includes an operator-mode config (operator, accounts)
-        "creds": ([f"bus.server_config={op['server_conf']}", f"bus.auth.creds={op['creds']}"], creds_seed,
-                  [BusAuth(creds=op["stranger"]), BusAuth(creds=op["forged"])], None),
+        "creds": Kind([f"bus.server_config={op['server_conf']}", f"bus.auth.creds={op['creds']}"], creds_seed,
+                      BusAuth(creds=op["creds"]), [BusAuth(creds=op["stranger"]), BusAuth(creds=op["forged"])],
+                      None),
     }
 
 
 @pytest.mark.parametrize("kind", ["token", "user", "nkey_tls", "creds"])
 def test_bus_auth_is_enforced_and_secrets_stay_hidden(kind: str, tmp_path: Path,
                                                       started: list[Deployment]) -> None:
-    sets, secret, wrong, tls = _kinds(tmp_path)[kind]
+    sets, secret, good, wrong, tls = _kinds(tmp_path)[kind]
     d = Deployment("mocker-agg.toml", tmp_path, f"sec{kind.replace('_', '')}{os.getpid()}", sets=sets,
                    status_pools={"agg": 1})
     started.append(d)
@@ -109,18 +98,13 @@ def test_bus_auth_is_enforced_and_secrets_stay_hidden(kind: str, tmp_path: Path,
     code, _, text = post(d.url + "/v1/chat/completions", chat_body(MODEL))
     assert code == 200, text  # the frontend and the worker both connected with the credentials
 
-    good = BusAuth(token_file=str(tmp_path / "token")) if kind == "token" else \
-        BusAuth(user="alice", password_file=str(tmp_path / "password")) if kind == "user" else \
-        BusAuth(creds=str(tmp_path / "user.creds")) if kind == "creds" else \
-        BusAuth(nkey_seed=str(tmp_path / "user.nk"))
-
     async def probe() -> None:
-        assert await _connects(d.bus_url, good, tls)
-        assert not await _connects(d.bus_url, BusAuth(), tls), "anonymous client admitted"
+        assert await bus_admits(d.bus_url, good, tls)
+        assert not await bus_admits(d.bus_url, BusAuth(), tls), "anonymous client admitted"
         for w in wrong:
-            assert not await _connects(d.bus_url, w, tls), f"wrong credentials admitted: {w}"
+            assert not await bus_admits(d.bus_url, w, tls), f"wrong credentials admitted: {w}"
         if tls is not None:
-            assert not await _connects(d.bus_url, good, None), "client without the CA admitted"
+            assert not await bus_admits(d.bus_url, good, None), "client without the CA admitted"
     asyncio.run(probe())
 
     assert secret not in _process_list()
@@ -178,10 +162,9 @@ def test_per_role_users_of_the_shipped_secure_topology(tmp_path: Path, started: 
     instance = body["instances"][0]["instance"]
     status, _ = http_json(d.url + "/v1/models")
     assert status == 401  # the key comes from VLLM_ACTORS_API_KEY
-    req = urllib.request.Request(d.url + "/v1/chat/completions", data=json.dumps(chat_body(MODEL)).encode(),
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert r.status == 200
+    auth = {"Authorization": f"Bearer {api_key}"}
+    code, _, text = post(d.url + "/v1/chat/completions", chat_body(MODEL), headers=auth)
+    assert code == 200, text
 
     async def as_user(user: str) -> Any:
         return await nats.connect(d.bus_url, user=user, password=pw[user], max_reconnect_attempts=1,
@@ -195,8 +178,8 @@ def test_per_role_users_of_the_shipped_secure_topology(tmp_path: Path, started: 
         return False
 
     async def run() -> None:
-        assert not await _connects(d.bus_url, BusAuth())
-        assert not await _connects(d.bus_url, BusAuth(user="observer", password="wrong"))
+        assert not await bus_admits(d.bus_url, BusAuth())
+        assert not await bus_admits(d.bus_url, BusAuth(user="observer", password="wrong"))
         obs = await as_user("observer")
         try:
             info = await obs.request("$SRV.INFO", b"", timeout=5)
@@ -230,7 +213,7 @@ def test_per_role_users_of_the_shipped_secure_topology(tmp_path: Path, started: 
     # the observer's refused sleep changed nothing: the worker is awake and serving
     body = _wait_health(d, agg=1, timeout=5)
     assert body["instances"][0]["instance"] == instance
-    with urllib.request.urlopen(req, timeout=60) as r:
-        assert r.status == 200
+    code, _, text = post(d.url + "/v1/chat/completions", chat_body(MODEL), headers=auth)
+    assert code == 200, text
     listing = _process_list()
     assert not any(p in listing for p in pw.values()) and api_key not in listing

@@ -1,0 +1,85 @@
+"""Semantic checks of the topology's credential and TLS settings (``bus.auth``, ``bus.worker_auth``,
+``bus.server_config``, ``bus.tls``, the frontend's API key), for ``supervisors.topology_loader``.
+
+Secrets are read here, at load time: a missing file or unset variable is a usage error naming the
+setting (exit 2), not a start that fails later and is retried until the supervisor gives up.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from bus import secrets
+from supervisors.topology import BusAuth, BusConfig, FrontendConfig
+
+Fail = Callable[[str, str], Any]  # (key path, problem) -> raises TopologyError
+
+
+def _readable(path: str | None, key: str, fail: Fail) -> None:
+    if path is not None and not os.access(os.path.expanduser(path), os.R_OK):
+        fail(key, f"cannot read {path}")
+
+
+def _check_auth(a: BusAuth, key: str, fail: Fail) -> None:
+    methods = [n for n in ("token", "token_file", "token_env", "user", "nkey_seed", "creds")
+               if getattr(a, n) is not None]
+    if len(methods) > 1:
+        fail(f"{key}.{methods[1]}", f"choose one auth method; {methods[0]} is already set")
+    passwords = [n for n in ("password", "password_file", "password_env") if getattr(a, n) is not None]
+    if len(passwords) > 1:
+        fail(f"{key}.{passwords[1]}", f"{passwords[0]} is already set")
+    if (a.user is None) != (not passwords):
+        fail(f"{key}.password" if a.user else f"{key}.user", "user and password go together")
+    try:
+        secrets.token(a, key)
+        secrets.password(a, key)
+    except secrets.SecretError as e:
+        setting, _, problem = str(e).partition(": ")
+        fail(setting, problem)
+    for field in ("nkey_seed", "creds"):
+        _readable(getattr(a, field), f"{key}.{field}", fail)
+
+
+def check_bus(b: BusConfig, fail: Fail) -> None:
+    _check_auth(b.auth, "bus.auth", fail)
+    if b.worker_auth is not None:
+        _check_auth(b.worker_auth, "bus.worker_auth", fail)
+    # server_config and the server's TLS files configure the embedded server; with bus.url they
+    # are not read (worker processes get bus.url pointing at their host's embedded server)
+    if b.server_config is not None:
+        _readable(b.server_config, "bus.server_config", fail)
+    elif b.url is None:
+        # without a server config the embedded server admits exactly bus.auth
+        if b.auth.creds is not None:
+            fail("bus.auth.creds", "creds need an operator-mode server: set bus.server_config "
+                 "(operator, resolver and accounts) or bus.url")
+        if b.worker_auth is not None and b.worker_auth != b.auth:
+            fail("bus.worker_auth", "a second user needs bus.server_config (its users and permissions) "
+                 "or bus.url")
+    tls = b.tls
+    if tls is not None:
+        if (tls.cert_file is None) != (tls.key_file is None):
+            fail("bus.tls.key_file" if tls.cert_file else "bus.tls.cert_file", "cert_file and key_file go together")
+        if (tls.server_cert_file is None) != (tls.server_key_file is None):
+            fail("bus.tls.server_key_file" if tls.server_cert_file else "bus.tls.server_cert_file",
+                 "server_cert_file and server_key_file go together")
+        if tls.verify_clients and (tls.ca_file is None or tls.server_cert_file is None):
+            fail("bus.tls.verify_clients", "needs server_cert_file/server_key_file and the clients' ca_file")
+        for field in ("ca_file", "cert_file", "key_file", "server_cert_file", "server_key_file"):
+            _readable(getattr(tls, field), f"bus.tls.{field}", fail)
+
+
+def check_api_key(fe: FrontendConfig, fail: Fail) -> None:
+    given = [n for n in ("api_key", "api_key_file", "api_key_env") if getattr(fe, n) is not None]
+    if len(given) > 1:
+        fail(f"frontend.{given[1]}", f"choose one; frontend.{given[0]} is already set")
+    try:
+        secrets.resolve(fe.api_key, fe.api_key_file, fe.api_key_env, "frontend.api_key")
+    except secrets.SecretError as e:
+        setting, _, problem = str(e).partition(": ")
+        fail(setting, problem)
+    if fe.metrics_auth and not given:
+        fail("frontend.metrics_auth", "protects /metrics with the API key: set frontend.api_key_file "
+             "(or api_key_env, api_key)")
