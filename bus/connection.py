@@ -13,6 +13,8 @@ import logging
 import os
 import random
 import ssl
+import time
+import weakref
 from typing import Any
 
 import nats
@@ -26,6 +28,13 @@ log = logging.getLogger(__name__)
 RECONNECT_BASE = 0.25  # first retry delay (s)
 RECONNECT_MAX = 5.0  # cap of the exponential backoff (s)
 RECONNECT_JITTER = 0.5  # +-50 % of the delay
+# After a bus outage every process reconnects on its own backoff, the last up to
+# RECONNECT_MAX * (1 + RECONNECT_JITTER) after the server is back. Until then "no responders" from
+# another process says it has not reconnected yet, not that it is dead.
+SETTLE_S = RECONNECT_MAX * (1 + RECONNECT_JITTER) + 0.5
+
+# when each connection last came back from an outage (weak keys: this never keeps a client alive)
+_reconnected_at: weakref.WeakKeyDictionary[Client, float] = weakref.WeakKeyDictionary()
 
 
 def backoff_delay(attempt: int, base: float = RECONNECT_BASE, cap: float = RECONNECT_MAX,
@@ -103,6 +112,7 @@ async def connect(cfg: BusConfig | str, name: str, *, initial_attempts: int = 3,
             log.warning("nats %s: disconnected from %s; reconnecting", name, servers)
 
     async def on_reconnected() -> None:
+        _reconnected_at[nc] = time.monotonic()
         log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
 
     async def on_closed() -> None:
@@ -132,3 +142,23 @@ async def connect(cfg: BusConfig | str, name: str, *, initial_attempts: int = 3,
     nc.options["max_reconnect_attempts"] = -1  # read on every reconnect: from now on, forever
     log.info("nats %s: connected to %s", name, nc.connected_url.netloc if nc.connected_url else servers)
     return nc
+
+
+def settling(nc: Client, window: float = SETTLE_S) -> bool:
+    """True while ``nc`` is cut off from the bus, or for ``window`` seconds after it came back: the
+    other processes may still be reconnecting, so their silence is not a verdict on them yet."""
+    if not nc.is_connected:
+        return True
+    t = _reconnected_at.get(nc)
+    return t is not None and time.monotonic() - t < window
+
+
+async def wait_connected(nc: Client, timeout: float) -> bool:
+    """Whether ``nc`` is connected, waiting up to ``timeout`` seconds for a reconnect in progress."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not nc.is_connected:
+        if nc.is_closed or loop.time() >= end:
+            return False
+        await asyncio.sleep(0.05)
+    return True

@@ -57,6 +57,14 @@ class PayloadTooLarge(RecoverableError):
     kind = "invalid_request_error"
 
 
+class ClientTimeout(RecoverableError):
+    """An HTTP client did not send its request (headers or body) in time: 408. Not RequestTimeout,
+    which is a reply over the bus that did not come (504)."""
+
+    code = 408
+    kind = "timeout"
+
+
 class Conflict(RecoverableError):
     code = 409
     kind = "conflict_error"
@@ -88,6 +96,11 @@ class RequestTimeout(TransportError):
 
 class StreamStalled(TransportError):
     """A stream produced neither data nor heartbeat within the stall timeout (worker gone)."""
+
+
+class ResponderGone(StreamStalled):
+    """A silent stream whose responder no longer exists: its process left the bus (SIGKILLed, or
+    not reconnected yet after a bus restart), or it dropped the stream (it took the caller for gone)."""
 
 
 class StreamGap(TransportError):

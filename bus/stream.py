@@ -40,7 +40,7 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import RemoteError, StreamGap, StreamStalled, Unavailable
+from bus.errors import RemoteError, ResponderGone, StreamGap, StreamStalled, Unavailable
 from bus.tasks import honouring_cancel
 from bus.wire import (
     DEFAULT_STALL,
@@ -115,7 +115,7 @@ class StreamCall:
                     silent = loop.time() - last
                     if silent < stall and responder is not None:
                         if not await _responder_alive(nc, responder, min(1.0, stall - silent)):
-                            raise StreamStalled(f"stream on {self.subject}: responder gone after seq "
+                            raise ResponderGone(f"stream on {self.subject}: responder gone after seq "
                                                 f"{self.received}")
                         continue
                     raise StreamStalled(f"stream on {self.subject} stalled: nothing for {stall:g}s "
@@ -263,14 +263,15 @@ def _inbox_mux(nc: Client) -> _InboxMux:
 
 
 async def _responder_alive(nc: Client, subject: str, timeout: float) -> bool:
-    """False only when the server says nobody is subscribed (the responder's process is gone)."""
+    """False when the server says nobody is subscribed (the responder's process is gone) or the
+    responder's process says it no longer runs this stream."""
     try:
-        await honouring_cancel(nc.request(subject, b"", timeout=timeout))
+        reply = await honouring_cancel(nc.request(subject, b"", timeout=timeout))
     except nats.errors.NoRespondersError:
         return False
     except Exception:  # slow or unsure: let the stall timeout decide
-        pass
-    return True
+        return True
+    return (reply.headers or {}).get(S.STREAM_CONTROL) != S.GONE
 
 
 def stream_request(nc: Client, subject: str, payload: Any, *, stall_timeout: float = DEFAULT_STALL,

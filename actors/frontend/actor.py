@@ -126,8 +126,8 @@ class FrontendActor(Actor):
         kv = (lambda: factory(ws, self.bus)) if factory is not None else None  # noqa: E731
         router = make_router(self.config.router, kv_factory=kv)
         self._router = router
-        client = WorkerClient(self.bus.nc, self.config.stall_timeout)
-        self.app = FrontendApp(workers=ws, router=router, opener=client.stream, config=self.config,
+        client = WorkerClient(self.bus, self.config.stall_timeout)
+        self.app = FrontendApp(workers=ws, router=router, link=client, config=self.config,
                                model_config=self.model_config, metrics=self.metrics, health=self.health)
         self._runner = web.AppRunner(self.app.build(), handler_cancellation=True, access_log=None)
         await self._runner.setup()

@@ -24,7 +24,8 @@ from bus.errors import ActorError, BadRequest, NotFound, PayloadTooLarge
 from supervisors.topology import FrontendConfig, ModelConfig
 
 from .discovery import ModelEntry, WorkerSet
-from .engine_flow import Opener
+from .engine_flow import FlowDeps, WorkerLink
+from .http_guard import read_body
 from .metrics import FrontendMetrics
 from .openai_io import (
     SSE_DONE,
@@ -39,6 +40,7 @@ from .openai_io import (
     usage_dict,
 )
 from .preprocess import SHARED, Preprocessor, PreprocessorCache, resolve_model_path
+from .quarantine import Quarantine
 from .routing import Router
 from .serving import Choice, Plan, build_choices, merged, plan_request, resolve
 
@@ -68,7 +70,7 @@ def error_response(err: ActorError) -> web.Response:
 
 
 class FrontendApp:
-    def __init__(self, *, workers: WorkerSet, router: Router, opener: Opener, config: FrontendConfig,
+    def __init__(self, *, workers: WorkerSet, router: Router, link: WorkerLink, config: FrontendConfig,
                  health: Callable[..., Awaitable[tuple[bool, dict[str, Any]]]],
                  model_config: ModelConfig | None = None, metrics: FrontendMetrics | None = None,
                  preprocessors: PreprocessorCache | None = None) -> None:
@@ -76,7 +78,8 @@ class FrontendApp:
         self._health = health
         self._expected = frozenset([model_config.name]) if model_config is not None else frozenset()
         self.router = router
-        self.opener = opener
+        self.quarantine = Quarantine(config.quarantine_ttl)
+        self.deps = FlowDeps(workers, router, link, self.quarantine)
         self.config = config
         self.model_config = model_config
         self.metrics = metrics or FrontendMetrics()
@@ -118,7 +121,10 @@ class FrontendApp:
                 raise
             err = ActorError(e.reason or "error", e.status)
             err.kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-            return error_response(err)
+            resp = error_response(err)
+            if "Allow" in e.headers:  # a 405 must say which methods the route has (RFC 9110)
+                resp.headers["Allow"] = e.headers["Allow"]
+            return resp
         except Exception as e:
             log.exception("internal error on %s", request.path)
             return error_response(ActorError(f"internal error: {type(e).__name__}: {e}"))
@@ -212,7 +218,7 @@ class FrontendApp:
         cl = request.content_length
         if cl is not None and cl > self.config.max_body_bytes:
             raise PayloadTooLarge(f"request body exceeds the limit of {self.config.max_body_bytes} bytes")
-        body = await request.read()
+        body = await read_body(request, self.config.body_timeout, self.metrics)
         label = "unknown"
         status = 500
         try:
@@ -228,10 +234,10 @@ class FrontendApp:
             mc = self.model_config if self.model_config and self.model_config.name == entry.name else None
             migration_limit = mc.migration_limit if mc is not None else entry.card.migration_limit
             choices = build_choices(
-                plan, self.workers, self.router, self.opener,
-                target=request.headers.get(WORKER_HEADER),
+                plan, self.deps, target=request.headers.get(WORKER_HEADER),
                 allow_decode_only=mc.allow_decode_only if mc is not None else True,
                 migration_limit=migration_limit, on_migrate=m.migrations.labels(label).inc,
+                on_quarantine=m.quarantined.labels(label).inc,
                 migration_wait=mc.migration_wait if mc is not None else 60.0)
             for ids, _ in plan.prompts:
                 if ids is not None:

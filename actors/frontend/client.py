@@ -1,24 +1,66 @@
-"""The worker client: one generate stream to one worker instance, msgpack over ``bus.stream``.
+"""The worker client: generate streams to worker instances, msgpack over ``bus.stream``, and the
+liveness questions the flow asks after a failed attempt.
 
-Closing the returned StreamCall early (stop string, client gone, task cancelled) publishes a cancel
-to the worker, which aborts the engine request.
+Closing a StreamCall early (stop string, client gone, task cancelled) publishes a cancel to the
+worker, which aborts the engine request.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
 
+from actors.worker import contract as C
 from actors.worker.contract import GenerateChunk, GenerateRequest
+from bus import rpc
+from bus.connection import settling, wait_connected
+from bus.context import BusContext
+from bus.errors import Unavailable
 from bus.stream import StreamCall, stream_request
 
 from .discovery import Worker
+from .engine_flow import Liveness
+
+log = logging.getLogger(__name__)
 
 
 class WorkerClient:
-    def __init__(self, nc: Any, stall_timeout: float = 10.0) -> None:
-        self.nc = nc
+    """The bus side of ``engine_flow.WorkerLink``."""
+
+    def __init__(self, bus: BusContext, stall_timeout: float = 10.0, probe_timeout: float = 1.0) -> None:
+        self.bus = bus
         self.stall_timeout = stall_timeout
+        self.probe_timeout = probe_timeout
 
     def stream(self, worker: Worker, req: GenerateRequest) -> StreamCall:
-        return stream_request(self.nc, worker.subject, req, stall_timeout=self.stall_timeout,
+        return stream_request(self.bus.nc, worker.subject, req, stall_timeout=self.stall_timeout,
                               msgpack=True, chunk_type=GenerateChunk)
+
+    async def connected(self) -> bool:
+        """Whether this process is on the bus, waiting (at most a stall timeout) for a reconnect in
+        progress: a request issued during a bus restart goes out once the connection is back."""
+        return await wait_connected(self.bus.nc, self.stall_timeout)
+
+    async def liveness(self, worker: Worker) -> Liveness:
+        """Is ``worker``'s process still on the bus? Asked after an attempt failed, to tell a worker
+        that died from a stream the bus lost. Right after a bus restart the worker may not have
+        reconnected yet: "no responders" is then asked again until the bus has settled."""
+        nc = self.bus.nc
+        subject = self.bus.subjects.worker(worker.instance, C.VERB_STATS)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.stall_timeout
+        while True:
+            if not await wait_connected(nc, max(0.0, end - loop.time())):
+                return Liveness.UNKNOWN
+            try:
+                await rpc.request(nc, subject, {}, timeout=self.probe_timeout)
+                return Liveness.ALIVE
+            except Unavailable:
+                if not settling(nc):
+                    return Liveness.DEAD
+            except Exception as e:  # noqa: BLE001 - a timeout is not a verdict
+                log.debug("liveness of %s: %s", worker.instance, e)
+                return Liveness.UNKNOWN
+            if loop.time() >= end:
+                return Liveness.UNKNOWN
+            await asyncio.sleep(0.2)

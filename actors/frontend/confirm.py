@@ -21,6 +21,7 @@ import logging
 
 from actors.worker import contract as C
 from bus import rpc
+from bus.connection import settling
 from bus.context import BusContext
 from bus.errors import Unavailable
 from bus.registry import Registry
@@ -99,7 +100,8 @@ class InstanceConfirmer:
             await rpc.request(self.bus.nc, self.bus.subjects.worker(rec.instance, C.VERB_STATS), {},
                               timeout=self.timeout)
         except Unavailable:
-            return False
+            # right after a bus restart the instance may simply not have reconnected yet
+            return None if settling(self.bus.nc) else False
         except Exception as e:  # noqa: BLE001 - a timeout or a reconnect is not a verdict
             log.debug("asking %s: %s", rec.instance, e)
             return None

@@ -5,8 +5,16 @@
   kv_transfer_params; a decode worker then streams with that ``prefill_result``. No prefill worker
   (or a failed prefill) → decode-only when the topology allows it.
 - migration: a stream that ends without a finish reason (worker died, stalled, lost chunks, or
-  became unreachable) is re-sent to another worker with the produced tokens appended to the prompt
-  and max_tokens reduced, up to ``migration_limit`` times; after that the error is raised.
+  became unreachable) is re-sent with the produced tokens appended to the prompt and max_tokens
+  reduced, up to ``migration_limit`` times; after that the error is raised.
+- telling a dead worker from a lost stream: after a failed attempt the flow asks whether the
+  worker's process is still on the bus (``WorkerLink.liveness``). A worker that answers (the bus
+  restarted and lost the stream, or the worker took the caller for gone) stays a valid target;
+  one that died, or stalled, or refused, is excluded until it comes back as a new incarnation.
+- containment: a request whose serving workers died twice while serving it is not sent again
+  (``actors.frontend.quarantine``).
+- a request issued while this process is cut off from the bus waits (at most a stall timeout)
+  for the reconnect, then fails with 503 + Retry-After.
 Closing the generator closes the worker stream, which publishes the cancel to the worker.
 """
 
@@ -16,15 +24,25 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Protocol
 
 import msgspec
 
 from actors.engines.protocol import SamplingOptions
 from actors.worker.contract import GenerateChunk, GenerateRequest, PrefillResult
-from bus.errors import ActorError, EngineDead, Overloaded, TransportError
+from bus.errors import (
+    ActorError,
+    EngineDead,
+    Overloaded,
+    ResponderGone,
+    StreamStalled,
+    TransportError,
+    Unavailable,
+)
 
 from .discovery import ModelEntry, Worker, WorkerSet
+from .quarantine import DEATHS_TO_QUARANTINE, Quarantine
 from .routing import Router
 
 log = logging.getLogger(__name__)
@@ -41,12 +59,39 @@ class WorkerStream(Protocol):
     async def aclose(self) -> None: ...
 
 
-Opener = Callable[[Worker, GenerateRequest], WorkerStream]
+class Liveness(Enum):
+    ALIVE = "alive"  # the worker's process answered on the bus
+    DEAD = "dead"  # nobody is subscribed to its verbs, and the bus has been up long enough to say so
+    UNKNOWN = "unknown"  # no answer in time (busy, or the bus is down): no verdict
+
+
+class WorkerLink(Protocol):
+    """The flow's view of the bus (``actors.frontend.client.WorkerClient``)."""
+
+    def stream(self, worker: Worker, req: GenerateRequest) -> WorkerStream: ...
+
+    async def connected(self) -> bool: ...
+
+    async def liveness(self, worker: Worker) -> Liveness: ...
 
 
 class MigrationExhausted(ActorError):
     code = 500
     kind = "internal_error"
+
+
+class BusUnavailable(Overloaded):
+    """This frontend is cut off from the bus (a restart in progress): 503 with Retry-After."""
+
+
+@dataclass
+class FlowDeps:
+    """What every flow of one frontend shares."""
+
+    workers: WorkerSet
+    router: Router
+    link: WorkerLink
+    quarantine: Quarantine = field(default_factory=Quarantine)
 
 
 @dataclass
@@ -61,6 +106,7 @@ class FlowSpec:
     allow_decode_only: bool = True
     migration_limit: int = 3
     migration_wait: float = 60.0
+    fingerprint: str | None = None  # the request's quarantine key (None: not contained)
 
 
 @dataclass
@@ -75,16 +121,19 @@ class FlowState:
     stop_reason: int | str | None = None
     failed: set[str] = field(default_factory=set)
     failed_incarnation: dict[str, float] = field(default_factory=dict)  # instance -> its started_at
+    deaths: list[str] = field(default_factory=list)  # workers that died while serving this request
 
 
 class CompletionFlow:
-    def __init__(self, spec: FlowSpec, workers: WorkerSet, router: Router, opener: Opener,
-                 on_migrate: Callable[[], None] | None = None) -> None:
+    def __init__(self, spec: FlowSpec, deps: FlowDeps, on_migrate: Callable[[], None] | None = None,
+                 on_quarantine: Callable[[], None] | None = None) -> None:
         self.spec = spec
-        self.workers = workers
-        self.router = router
-        self.opener = opener
+        self.workers = deps.workers
+        self.router = deps.router
+        self.link = deps.link
+        self.quarantine = deps.quarantine
         self.on_migrate = on_migrate
+        self.on_quarantine = on_quarantine
         self.state = FlowState(prompt_tokens=len(spec.token_ids) if spec.token_ids else 0)
 
     # --- routing helpers ---------------------------------------------------------------------------
@@ -144,7 +193,7 @@ class CompletionFlow:
         req = GenerateRequest(request_id=f"{spec.request_id}-p", token_ids=spec.token_ids,
                               prompt=spec.prompt, sampling=sampling, lora_name=spec.lora)
         last: GenerateChunk | None = None
-        call = self.opener(worker, req)
+        call = self.link.stream(worker, req)
         try:
             async for chunk in call:
                 last = chunk
@@ -156,12 +205,16 @@ class CompletionFlow:
     # --- the stream ----------------------------------------------------------------------------------
     async def chunks(self) -> AsyncIterator[GenerateChunk]:
         spec, st = self.spec, self.state
+        if spec.fingerprint is not None:
+            self.quarantine.check(spec.fingerprint)
         prefill = await self._prefill() if spec.model.has_prefill_pool else None
         produced: list[int] = []
         produced_text: list[str] = []
         target = spec.target
         err: ActorError | None = None
         while True:
+            if not await self.link.connected():
+                raise BusUnavailable("this frontend is cut off from the bus (reconnecting); try again")
             pool = self._pool("serve")
             if st.failed:
                 self._forgive_restarted(pool)
@@ -173,10 +226,12 @@ class CompletionFlow:
             router = self.router
             worker = router.choose(pool, req.token_ids, st.failed, target=target, lora=spec.lora,
                                    request_id=req.request_id)
-            call = self.opener(worker, req)
+            call = self.link.stream(worker, req)
             first = True
+            answered = False  # the worker took the request (a chunk or heartbeat came back)
             try:
                 async for chunk in call:
+                    answered = True
                     st.worker_instance = call.instance or worker.instance
                     self._account(chunk, first_attempt=not produced and st.migrations == 0)
                     produced.extend(chunk.token_ids)
@@ -195,8 +250,8 @@ class CompletionFlow:
             finally:
                 router.finished(req.request_id)  # type: ignore[arg-type]
                 await call.aclose()
-            st.failed.add(worker.instance)
-            st.failed_incarnation[worker.instance] = worker.started_at
+            answered = answered or call.instance is not None
+            await self._judge(worker, err, answered)
             remaining = spec.sampling.max_tokens - len(produced)
             if st.migrations >= spec.migration_limit:
                 if not produced and st.migrations == 0 and isinstance(err, Overloaded):
@@ -208,13 +263,42 @@ class CompletionFlow:
                 yield GenerateChunk(finish_reason="length")
                 return
             st.migrations += 1
-            target = None  # a pinned instance that failed cannot serve the rest
+            target = None if worker.instance in st.failed else target  # a failed pin cannot serve the rest
             prefill = None  # the new worker recomputes the (prompt + produced) prefix itself
-            log.warning("request %s: migrating after %d tokens from %s (%s), attempt %d/%d",
-                        spec.request_id, len(produced), worker.instance, err, st.migrations,
-                        spec.migration_limit)
+            log.warning("request %s: %s after %d tokens from %s (%s), attempt %d/%d", spec.request_id,
+                        "migrating" if worker.instance in st.failed else "re-sending", len(produced),
+                        worker.instance, err, st.migrations, spec.migration_limit)
             if self.on_migrate is not None:
                 self.on_migrate()
+
+    async def _judge(self, worker: Worker, err: ActorError, answered: bool) -> None:
+        """After a failed attempt: exclude the worker from this request unless it is alive and the
+        failure was the bus's, and count its death if it died while serving the request. Raises
+        PoisonRequest once the request has seen DEATHS_TO_QUARANTINE deaths."""
+        st = self.state
+        if isinstance(err, EngineDead):
+            died = True
+        elif isinstance(err, Overloaded):  # refused: busy, draining, asleep; not a death
+            died = False
+        else:
+            verdict = await self.link.liveness(worker)
+            if verdict is Liveness.ALIVE and not (isinstance(err, StreamStalled)
+                                                  and not isinstance(err, ResponderGone)):
+                # the process answers and did not stall: the bus lost the stream (a restart, a gap),
+                # or the worker dropped it taking us for gone. It may serve the rest.
+                return
+            # "no responders" to the request itself, before any answer: it never reached a live
+            # worker (a record that outlived its process), so no death coincided with it
+            died = verdict is Liveness.DEAD and (answered or not isinstance(err, Unavailable))
+        st.failed.add(worker.instance)
+        st.failed_incarnation[worker.instance] = worker.started_at
+        if not died:
+            return
+        st.deaths.append(worker.instance)
+        if len(st.deaths) >= DEATHS_TO_QUARANTINE and self.spec.fingerprint is not None:
+            if self.on_quarantine is not None:
+                self.on_quarantine()
+            raise self.quarantine.add(self.spec.fingerprint, self.spec.request_id, st.deaths)
 
     def _forgive_restarted(self, pool: list[Worker]) -> None:
         """An instance that failed this request but has since restarted (in place, same id, new

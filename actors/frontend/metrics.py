@@ -35,10 +35,24 @@ class FrontendMetrics:
                                      ["model"], registry=r)
         self.migrations = Counter(f"{p}_migrations", "Streams re-sent to another worker", ["model"],
                                   registry=r)
+        # named as the operator guide spells it (no frontend_ prefix): one series per deployment
+        self.quarantined = Counter("requests_quarantined", "Requests failed and refused after the workers "
+                                   "serving them died twice", ["model"], registry=r)
         self.cancellations = Counter(f"{p}_cancellations", "Worker requests cancelled", ["model"],
                                      registry=r)
         self.disconnects = Counter(f"{p}_client_disconnects", "Clients that went away mid-request",
                                    ["model"], registry=r)
+        # the HTTP guard (actors.frontend.http_guard)
+        self.http_connections = Gauge(f"{p}_http_connections", "Open HTTP connections", registry=r)
+        self.http_refused = Counter(f"{p}_http_connections_refused",
+                                    "HTTP connections refused with 503 at frontend.max_connections", registry=r)
+        self.http_idle_evicted = Counter(f"{p}_http_idle_evicted", "Idle keep-alive connections closed "
+                                         "to admit a new one at frontend.max_connections", registry=r)
+        self.http_timeouts = Counter(f"{p}_http_timeouts", "HTTP connections closed by a timer "
+                                     "(header, body: 408; keepalive: silent close when idle)", ["phase"],
+                                     registry=r)
+        self.http_malformed = Counter(f"{p}_http_malformed_requests",
+                                      "Requests refused by the HTTP parser (400)", registry=r)
 
     def render(self) -> bytes:
         # plus the process-wide registry: the kv router's series (hit rate, overheads, index size,

@@ -19,10 +19,10 @@ from bus.tasks import cancel_and_wait
 
 from .detok import TextStream
 from .discovery import ModelEntry, WorkerSet
-from .engine_flow import CompletionFlow, FlowSpec, Opener
+from .engine_flow import CompletionFlow, FlowDeps, FlowSpec
 from .openai_io import OutputOptions, new_id, requested_max_tokens, to_sampling
 from .preprocess import Preprocessor
-from .routing import Router
+from .quarantine import fingerprint
 
 
 @dataclass
@@ -171,13 +171,17 @@ class Choice:
         return delta
 
 
-def build_choices(plan: Plan, workers: WorkerSet, router: Router, opener: Opener, *,
-                  target: str | None, allow_decode_only: bool, migration_limit: int,
-                  on_migrate: Callable[[], None] | None, migration_wait: float = 60.0) -> list[Choice]:
+def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decode_only: bool,
+                  migration_limit: int, on_migrate: Callable[[], None] | None = None,
+                  on_quarantine: Callable[[], None] | None = None, migration_wait: float = 60.0,
+                  contain: bool = True) -> list[Choice]:
+    """One flow per (prompt, n). ``contain``: give each a quarantine fingerprint (the copies of one
+    prompt share it, so a poison prompt is refused for all of them)."""
     choices = []
     idx = 0
     for p, (ids, text) in enumerate(plan.prompts):
         base = plan.sampling[p]
+        fp = fingerprint(plan.entry.name, plan.lora, ids, text, base) if contain else None
         for j in range(plan.n):
             so = base
             if plan.n > 1 and base.seed is not None:
@@ -185,9 +189,8 @@ def build_choices(plan: Plan, workers: WorkerSet, router: Router, opener: Opener
             spec = FlowSpec(model=plan.entry, request_id=f"{plan.request_id}-{idx}", sampling=so,
                             token_ids=ids, prompt=text, lora=plan.lora, target=target,
                             allow_decode_only=allow_decode_only, migration_limit=migration_limit,
-                            migration_wait=migration_wait)
-            choices.append(Choice(idx, CompletionFlow(spec, workers, router, opener, on_migrate),
-                                  plan, ids))
+                            migration_wait=migration_wait, fingerprint=fp)
+            choices.append(Choice(idx, CompletionFlow(spec, deps, on_migrate, on_quarantine), plan, ids))
             idx += 1
     return choices
 
