@@ -39,13 +39,15 @@ class ScriptedWorker(Actor):
 
     def __init__(self, bus: BusContext, *, tokenizer_path: str, text_ids: list[int], pool: str = "agg",
                  role: str = "agg", model: str = MODEL, delay: float = 0.0, die_after: int | None = None,
-                 cached_tokens: int = 0, card_tokenizer: str | None = None, **kw: Any) -> None:
+                 cached_tokens: int = 0, card_tokenizer: str | None = None, drop_after: int | None = None,
+                 **kw: Any) -> None:
         super().__init__(bus, role=role, model=model, **kw)
         self.pool = pool
         self.tokenizer_path = tokenizer_path
         self.text_ids = text_ids
         self.delay = delay
         self.die_after = die_after
+        self.drop_after = drop_after  # end the first stream after this many tokens, staying alive
         self.cached = cached_tokens
         self.card_tokenizer = card_tokenizer
         self.requests: list[GenerateRequest] = []
@@ -98,6 +100,10 @@ class ScriptedWorker(Actor):
                     # the process "dies": the service goes away without ending the stream
                     self.fail(RuntimeError("scripted death"))
                     await asyncio.sleep(3600)
+                if self.drop_after is not None and i >= self.drop_after:
+                    # the stream is lost, the worker is not (what a bus restart does to a stream)
+                    self.drop_after = None
+                    return
                 tok = self.text_ids[len(ids) % len(self.text_ids)]
                 ids.append(tok)
                 last = i == n - 1

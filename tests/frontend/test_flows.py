@@ -9,6 +9,7 @@ import json
 import time
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from openai import AsyncOpenAI
@@ -238,3 +239,56 @@ async def test_text_mode_when_no_tokenizer(deploy: Any) -> None:
     with pytest.raises(openai.APIStatusError) as ei:  # chat needs the template: not here
         await c.chat.completions.create(model="remote", messages=[{"role": "user", "content": "x"}])
     assert ei.value.status_code == 503
+
+
+async def test_a_lost_stream_is_resent_to_the_same_live_worker(deploy: Any, text_ids: list[int]) -> None:
+    """The only worker is alive but the stream was lost (a bus restart does this): the rest is re-sent
+    to that worker at once, not after waiting for 'another' worker to come back."""
+    w = await deploy.worker(drop_after=4, delay=0.01)
+    await deploy.start_frontend(model_config=ModelConfig(name=MODEL, path=deploy.tiny_dir, migration_wait=30))
+    await deploy.wait_ready(1)
+    t0 = time.monotonic()
+    stream = await client(deploy).completions.create(model=MODEL, prompt=[9, 9, 9], max_tokens=12, stream=True)
+    text = "".join([ch.choices[0].text async for ch in stream if ch.choices])
+    assert time.monotonic() - t0 < 20  # no migration_wait (30 s) spent
+    pre = deploy.frontend.app.pre_cache.peek(deploy.tiny_dir, None)
+    assert text == pre.decode([text_ids[(3 + i) % len(text_ids)] for i in range(12)])
+    assert len(w.requests) == 2 and w.requests[-1].sampling.max_tokens == 8  # the rest, same worker
+
+
+async def test_poison_request_is_quarantined_after_two_deaths(deploy: Any) -> None:
+    """Two workers die while serving one request: it fails with a 500 and is not sent a third time;
+    the same request is then refused with a 400 without reaching a worker; others are served."""
+    first = await deploy.worker(die_after=2, delay=0.01)
+    second = await deploy.worker(die_after=2, delay=0.01)
+    await deploy.start_frontend(model_config=ModelConfig(name=MODEL, path=deploy.tiny_dir, migration_wait=5))
+    await deploy.wait_ready(2)
+    poison = {"model": MODEL, "prompt": [7, 7, 7], "max_tokens": 10}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(deploy.url + "/v1/completions", json=poison) as resp:
+            body = await resp.json()
+        assert resp.status == 500, body
+        assert body["error"]["type"] == "internal_error" and "died while serving it" in body["error"]["message"]
+        assert len(first.requests) == 1 and len(second.requests) == 1  # tried on each once, not again
+        healthy = await deploy.worker(delay=0.01)
+        await deploy.wait_ready(1)
+        async with http.post(deploy.url + "/v1/completions", json={**poison, "seed": 5}) as resp:
+            body = await resp.json()
+        assert resp.status == 400 and "quarantined" in body["error"]["message"], body
+        assert not healthy.requests  # refused at the frontend
+        async with http.post(deploy.url + "/v1/completions", json={**poison, "prompt": [7, 7, 8]}) as resp:
+            assert resp.status == 200, await resp.text()
+    metrics = deploy.frontend.metrics.render().decode()
+    assert 'requests_quarantined_total{model="tiny"} 1.0' in metrics
+
+
+async def test_one_death_is_retried_once(deploy: Any, text_ids: list[int]) -> None:
+    """A worker dying under a request may be a coincidence: the request is retried and completes."""
+    await deploy.worker(die_after=3, delay=0.01)
+    await deploy.start_frontend()
+    await deploy.wait_ready(1)
+    healthy = await deploy.worker(delay=0.01)
+    await deploy.wait_ready(2)
+    r = await client(deploy).completions.create(model=MODEL, prompt=[4, 4], max_tokens=8,
+                                                extra_headers={WORKER_HEADER: deploy.workers[0].instance})
+    assert r.usage.completion_tokens == 8 and healthy.requests
