@@ -21,6 +21,7 @@ Keys (all optional; an unknown key is a ValueError naming it):
 | die_at_start | False | ``start()`` fails with EngineDeadError |
 | die_after_tokens | None | the engine dies once this many tokens were generated (all requests) |
 | hang_after_tokens | None | the engine stalls forever after this many tokens (health stays OK) |
+| poison_token_id | None | a request whose prompt holds this id SIGKILLs the worker process, as the OOM killer stops a request of death (chaos tests) |
 | kv_events_buffer_steps | 10000 | replay ring size (batches) |
 """
 
@@ -52,6 +53,7 @@ class MockerArgs:
     die_at_start: bool = False
     die_after_tokens: int | None = None
     hang_after_tokens: int | None = None
+    poison_token_id: int | None = None
     kv_events_buffer_steps: int = 10_000
 
     @classmethod
@@ -89,7 +91,7 @@ class MockerArgs:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
         if not 0 <= self.eos_token_id < self.vocab_size:
             raise ValueError(f"eos_token_id {self.eos_token_id} outside vocab_size {self.vocab_size}")
-        for name in ("die_after_tokens", "hang_after_tokens", "max_cpu_loras"):
+        for name in ("die_after_tokens", "hang_after_tokens", "max_cpu_loras", "poison_token_id"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"mocker arg {name} must be a non-negative int or None, got {v!r}")

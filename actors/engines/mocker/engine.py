@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import signal
 import time
 import uuid
 from collections import OrderedDict
@@ -273,6 +275,11 @@ class MockerEngine(Engine):
         ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("empty prompt")
+        if self.args.poison_token_id is not None and self.args.poison_token_id in ids:
+            # a request of death: the whole worker process goes, with no chance to answer
+            logger.error("mocker %s: request %s holds poison_token_id %d; killing this process",
+                         self.engine_id, request_id, self.args.poison_token_id)
+            os.kill(os.getpid(), signal.SIGKILL)
         if len(ids) >= self.args.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.args.max_model_len}")
         if lora is not None:
