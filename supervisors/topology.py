@@ -121,6 +121,24 @@ class FrontendConfig(_Strict):
     kv_events: bool = True
     approx_ttl: float = 120.0
     stall_timeout: float = 10.0
+    # --- HTTP hardening against slow clients (actors.frontend.http_guard) ---
+    # seconds for a request line and headers to arrive, from the connection's opening (or a kept-alive
+    # connection's next first byte); then 408 and close. A deadline, so a header line every few
+    # seconds (slowloris) does not extend it. Real clients send a head in one packet, in
+    # milliseconds; 10 s still covers a congested mobile link.
+    header_timeout: float = 10.0
+    # seconds a kept-alive connection may sit idle between requests; then a silent close. Longer than
+    # the 60 s idle timeouts of common proxies (nginx upstream keepalive_timeout, AWS ALB), so a proxy
+    # never reuses a connection this end has just closed (for a POST that is a 502). Idle connections
+    # cost a socket each and give way to new ones at max_connections, so long is cheap.
+    keepalive_timeout: float = 75.0
+    # seconds for a request body to arrive once its handler reads it (right after the headers); then
+    # 408 and close. The largest body (max_body_bytes) fits at about 2.2 Mbit/s; raise it for slower
+    # links with large prompts.
+    body_timeout: float = 30.0
+    # open HTTP connections; one more gets 503 + Retry-After (an idle keep-alive connection, if any,
+    # is closed first to make room). The soft open-files limit is raised to fit when it can be.
+    max_connections: int = 2048
 
 
 class HealthConfig(_Strict):

@@ -14,8 +14,6 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from aiohttp import web
-
 from actors.base import Actor, Endpoint
 from actors.router.service import RouterEndpoints, RouterState
 from bus import rpc
@@ -28,6 +26,7 @@ from .app import FrontendApp
 from .client import WorkerClient
 from .confirm import InstanceConfirmer
 from .discovery import WorkerSet, watch_into
+from .http_guard import GuardedSite
 from .kv_routing import kv_factory
 from .metrics import FrontendMetrics
 from .readiness import PoolExpectation, Readiness
@@ -72,7 +71,7 @@ class FrontendActor(Actor):
         self._kv_factory = kv_factory
         self._router: Router | None = None
         self.app: FrontendApp | None = None
-        self._runner: web.AppRunner | None = None
+        self._site: GuardedSite | None = None
         self._watchers: list[asyncio.Task[None]] = []
         self.port: int | None = None
 
@@ -129,18 +128,13 @@ class FrontendActor(Actor):
         client = WorkerClient(self.bus, self.config.stall_timeout)
         self.app = FrontendApp(workers=ws, router=router, link=client, config=self.config,
                                model_config=self.model_config, metrics=self.metrics, health=self.health)
-        self._runner = web.AppRunner(self.app.build(), handler_cancellation=True, access_log=None)
-        await self._runner.setup()
+        self._site = GuardedSite(self.app.build(), self.config, self.metrics)
         host, port = split_hostport(self.config.http)
-        site = web.TCPSite(self._runner, host, port, backlog=1024, reuse_address=True)
         try:
-            await site.start()
+            self.port = await self._site.start(host, port)
         except OSError:
             await self._cleanup()
             raise
-        server = site._server
-        sockets = getattr(server, "sockets", None) or []
-        self.port = sockets[0].getsockname()[1] if sockets else port
         log.info("frontend %s serving OpenAI API on http://%s:%d/v1 (router %s)", self.instance, host,
                  self.port, router.name)
 
@@ -152,9 +146,9 @@ class FrontendActor(Actor):
         if aclose is not None:
             await aclose()
         self._router = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
         await cancel_and_wait(self._watchers)
         self._watchers.clear()
         if self._confirmer is not None:
