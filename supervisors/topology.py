@@ -139,6 +139,9 @@ class FrontendConfig(_Strict):
     # open HTTP connections; one more gets 503 + Retry-After (an idle keep-alive connection, if any,
     # is closed first to make room). The soft open-files limit is raised to fit when it can be.
     max_connections: int = 2048
+    # a request whose serving workers died twice while serving it fails and is not retried;
+    # identical requests are then refused for this many seconds (0: fail it, refuse nothing)
+    quarantine_ttl: float = 300.0
 
 
 class HealthConfig(_Strict):
