@@ -290,6 +290,8 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         positive("frontend.max_body_bytes", t.frontend.max_body_bytes)
         for key in ("header_timeout", "keepalive_timeout", "body_timeout", "max_connections"):
             positive(f"frontend.{key}", getattr(t.frontend, key))
+        if t.frontend.quarantine_ttl < 0:
+            fail("frontend.quarantine_ttl", f"expected seconds >= 0, got {t.frontend.quarantine_ttl}")
         if t.frontend.busy_threshold is not None and not 0 < t.frontend.busy_threshold <= 1:
             fail("frontend.busy_threshold", f"expected a fraction in (0, 1], got {t.frontend.busy_threshold}")
         check_api_key(t.frontend, fail)

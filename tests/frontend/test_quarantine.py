@@ -8,6 +8,7 @@ import pytest
 
 from actors.engines.protocol import SamplingOptions
 from actors.frontend.quarantine import PoisonRequest, Quarantine, QuarantinedRequest, fingerprint
+from supervisors.topology_loader import TopologyError, topology_from_dict
 
 
 def fp(**kw: object) -> str:
@@ -52,3 +53,10 @@ def test_quarantine_is_bounded() -> None:
     with pytest.raises(QuarantinedRequest):
         q.check("d")
     q.check("a")  # the oldest entry made room
+
+
+def test_quarantine_ttl_is_checked_at_load() -> None:
+    raw = {"model": {"name": "m", "path": "tiny"}, "frontend": {"quarantine_ttl": -1}}
+    with pytest.raises(TopologyError, match="frontend.quarantine_ttl"):
+        topology_from_dict(raw)
+    assert topology_from_dict({**raw, "frontend": {"quarantine_ttl": 0}}).frontend.quarantine_ttl == 0
