@@ -48,8 +48,10 @@ def decode(data: bytes, headers: Mapping[str, str] | None = None, type: type[T] 
     BadRequest (the strict control verbs, which must not act on a stray empty message).
 
     Raises BadRequest with a message naming the offending field, so every actor turns malformed
-    input into a typed 400 instead of crashing (invalid UTF-8 inside a string included: msgspec
-    raises UnicodeDecodeError for it, not DecodeError).
+    input into a typed 400 instead of crashing. msgspec raises two other exceptions for bad input:
+    UnicodeDecodeError for invalid UTF-8 inside a string, and RecursionError for nesting deeper than
+    the interpreter's recursion limit (about 1000 levels: ``[[[...]]]`` untyped, or inside a field
+    typed ``Any``) — both are the sender's fault, so both are a 400 too.
     """
     mp = is_msgpack(headers)
     if not data:
@@ -70,6 +72,8 @@ def decode(data: bytes, headers: Mapping[str, str] | None = None, type: type[T] 
     except UnicodeDecodeError as e:
         raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: invalid UTF-8 in a string "
                          f"({e.reason})") from None
+    except RecursionError:
+        raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: nested too deeply") from None
 
 
 def to_builtins(obj: Any) -> Any:

@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from bus.errors import ActorError
-from bus.wire import error_headers
+from bus.wire import bounded_text, error_headers
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +194,10 @@ class ServiceHandle:
     def _count_error(ep: _Endpoint, e: BaseException | str) -> None:
         ep.num_errors += 1
         if isinstance(e, ActorError):
-            ep.last_error = f"{e.code}:{e.message}"
+            text = f"{e.code}:{e.message}"
         else:
-            ep.last_error = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+            text = e if isinstance(e, str) else f"{type(e).__name__}: {e}"
+        ep.last_error = bounded_text(text)  # it may quote a request; $SRV.STATS must stay small
 
     async def _reply_error(self, msg: Msg, err: ActorError) -> None:
         if msg.reply:

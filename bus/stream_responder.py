@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 import weakref
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import ActorError
+from bus.errors import ActorError, BadRequest
 from bus.wire import DEFAULT_STALL, HEARTBEAT_FRACTION, NO_RESPONDERS, STATUS, encode_payload, error_headers
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,10 @@ def heartbeat_interval(msg: Msg, heartbeat: float | None) -> float:
     try:
         stall = float((msg.headers or {}).get(S.STALL_TIMEOUT, DEFAULT_STALL))
     except ValueError:
+        stall = DEFAULT_STALL
+    # a caller's header, so anything can arrive: "nan" or "0" would mean a heartbeat every 10 ms for
+    # the life of the stream, "inf" none at all, and heartbeats are how a vanished caller is noticed
+    if not math.isfinite(stall) or stall <= 0:
         stall = DEFAULT_STALL
     hb = max(0.01, stall * HEARTBEAT_FRACTION)
     return min(hb, heartbeat) if heartbeat else hb
@@ -155,6 +160,9 @@ async def _aclose(chunks: Any) -> None:
             log.debug("closing stream generator: %s", e)
 
 
+MAX_REQUEST_ID = 256  # stream request ids are 22-character nuids
+
+
 class StreamCancels:
     """Request-id -> task map behind one cancel subject (an actor's ``cancel`` endpoint)."""
 
@@ -177,6 +185,8 @@ class StreamCancels:
     async def handle(self, msg: Msg) -> None:
         """Message handler for the cancel subject (Request-Id header, or the id as payload)."""
         rid = (msg.headers or {}).get(S.REQUEST_ID) or msg.data.decode(errors="replace").strip().strip('"')
+        if len(rid) > MAX_REQUEST_ID:  # none of ours; echoed back, it could exceed max_payload
+            raise BadRequest(f"cancel: a request id has at most {MAX_REQUEST_ID} characters, got {len(rid)}")
         found = self.cancel(rid)
         if msg.reply:
             await msg._client.publish(msg.reply, codec.encode({"cancelled": found, "request_id": rid}),

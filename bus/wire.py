@@ -39,7 +39,7 @@ def decode_payload(data: bytes, headers: Mapping[str, str] | None, type: Any = N
         data = b"{}"
     try:
         return dec.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError):
+    except (msgspec.ValidationError, msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return codec.decode(data, headers, type)  # raises BadRequest with the precise message
 
 
@@ -49,8 +49,20 @@ def encode_payload(payload: Any, msgpack: bool) -> bytes:
     return codec.encode(payload, msgpack=msgpack)
 
 
+# Characters of an error's text that travel in ``Nats-Service-Error``. Messages may quote the request
+# (a model name, a request id), and headers count against the server's max_payload: a reply over it
+# is a protocol violation for which the server closes the *responder's* connection.
+MAX_ERROR_TEXT = 1024
+
+
+def bounded_text(text: str, limit: int = MAX_ERROR_TEXT) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
 def error_headers(err: ActorError, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    h = {S.SERVICE_ERROR: err.message or type(err).__name__, S.SERVICE_ERROR_CODE: str(err.code)}
+    h = {S.SERVICE_ERROR: bounded_text(err.message or type(err).__name__), S.SERVICE_ERROR_CODE: str(err.code)}
     if extra:
         h.update(extra)
     return h

@@ -105,3 +105,29 @@ def test_invalid_utf8_is_a_bad_request_untyped_and_msgpack() -> None:
 def test_empty_msgpack_default_is_still_a_decode_error() -> None:
     # unchanged: only JSON treats an empty payload as {} (msgpack has no "empty means {}" convention)
     assert "malformed msgpack payload" in both_raise(b"", MSGPACK, Strict)[0]
+
+
+class Loose(msgspec.Struct, kw_only=True):
+    params: dict[str, Any] | None = None  # what GenerateRequest.kv_transfer_params is typed
+
+
+DEPTH = 100_000  # far past the interpreter's recursion limit, far below a NATS max payload
+
+
+@pytest.mark.parametrize("data,headers,type", [
+    (b"[" * DEPTH + b"]" * DEPTH, None, None),
+    (b'{"a":' * DEPTH + b"1" + b"}" * DEPTH, None, None),
+    (b'{"params": {"x": ' + b"[" * DEPTH + b"]" * DEPTH + b"}}", None, Loose),
+    (b"\x91" * DEPTH + b"\x90", MSGPACK, None),  # msgpack [[[...]]]
+    (b"\x81\xa6params\x81\xa1x" + b"\x91" * DEPTH + b"\x90", MSGPACK, Loose),
+], ids=["json-arrays", "json-objects", "json-in-an-Any-field", "msgpack-arrays", "msgpack-in-an-Any-field"])
+def test_deep_nesting_is_a_bad_request(data: bytes, headers: Any, type: Any) -> None:
+    # msgspec raises RecursionError past the interpreter's recursion limit: it used to escape as a
+    # 500 ("internal error: RecursionError") from every endpoint that decodes untyped or Any fields
+    for msg in both_raise(data, headers, type):
+        assert msg.endswith("payload: nested too deeply"), msg
+
+
+def test_nesting_below_the_limit_still_decodes() -> None:
+    data = b'{"params": {"x": ' + b"[" * 100 + b"]" * 100 + b"}}"
+    assert [v.params is not None for v in both(data, type=Loose)] == [True] * 3
