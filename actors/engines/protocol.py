@@ -112,6 +112,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     hidden_size: int | None = None
     vocab_size: int | None = None
     eos_token_ids: list[int] = []
+    max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's --max-logprobs; -1: vocab_size)
 
 
 class EngineStats(msgspec.Struct, kw_only=True):

@@ -118,6 +118,54 @@ async def test_rejects_bad_requests(engine: MockerEngine) -> None:
         MockerEngine({"max_num_batched": 5})
 
 
+async def test_refuses_what_vllm_refuses_before_allocating(engine: MockerEngine) -> None:
+    """vLLM's limits with vLLM's words, checked before the request exists: ``logprobs: 2**63``
+    once built a list entry per requested logprob until the OOM killer stopped the worker."""
+    assert engine.facts.max_logprobs == 20 and engine.facts.vocab_size == 32000
+    refusals = [
+        ({"logprobs": 2**63}, "Requested sample logprobs of 9223372036854775808, which is greater than max "
+                              "allowed: 20"),
+        ({"logprobs": 21}, "Requested sample logprobs of 21, which is greater than max allowed: 20"),
+        ({"extra": {"prompt_logprobs": 21}}, "Requested prompt logprobs of 21"),
+        ({"top_k": 32001}, r"top_k must be at most the vocabulary size \(32000\)"),
+        ({"top_k": -2}, r"top_k must be 0 \(disable\), or at least 1"),
+        ({"stop_token_ids": [32000]}, r"token_id\(s\) \[32000\] in stop_token_ids contain out-of-vocab"),
+        ({"extra": {"logit_bias": {2**64: 1.0}}}, "in logit_bias contain out-of-vocab token ids"),
+        ({"extra": {"allowed_token_ids": [-1]}}, "in allowed_token_ids contain out-of-vocab"),
+    ]
+    for kw, words in refusals:
+        with pytest.raises(ValueError, match=words):
+            await collect(engine, TokensPrompt(PROMPT), "x", max_tokens=2, **kw)
+    with pytest.raises(ValueError, match="Token id 32000 is out of vocabulary"):
+        await collect(engine, TokensPrompt([1, 32000]), "x", max_tokens=2)
+    assert all(not r.sched.requests for r in engine._ranks)  # nothing was admitted
+    ok = await collect(engine, TokensPrompt(PROMPT), "ok", max_tokens=2, logprobs=20, top_k=32000)
+    assert all(len(lp.top) == 20 for o in ok for lp in o.logprobs or [])
+
+
+async def test_max_logprobs_arg() -> None:
+    e = MockerEngine({**ARGS, "max_logprobs": 40, "vocab_size": 64})
+    await e.start()
+    try:
+        assert e.facts.max_logprobs == 40
+        outs = await collect(e, TokensPrompt([1, 2]), "a", max_tokens=2, logprobs=40)
+        assert all(len(lp.top) == 40 for o in outs for lp in o.logprobs or [])
+        with pytest.raises(ValueError, match="max allowed: 40"):
+            await collect(e, TokensPrompt([1, 2]), "b", max_tokens=2, logprobs=41)
+    finally:
+        await e.shutdown()
+    for bad in (-2, "20", True):
+        with pytest.raises(ValueError, match="max_logprobs"):
+            MockerEngine({"max_logprobs": bad})
+    e = MockerEngine({**ARGS, "max_logprobs": -1, "vocab_size": 64})  # vLLM's -1: the whole vocabulary
+    await e.start()
+    try:
+        outs = await collect(e, TokensPrompt([1, 2]), "c", max_tokens=1, logprobs=-1)
+        assert all(len(lp.top) == 64 for o in outs for lp in o.logprobs or [])
+    finally:
+        await e.shutdown()
+
+
 async def test_abort_mid_stream() -> None:
     e = MockerEngine({**ARGS, "speedup_ratio": 1000})
     await e.start()

@@ -14,6 +14,7 @@ Keys (all optional; an unknown key is a ValueError naming it):
 | max_model_len | 8192 | prompt + output cap (a longer prompt is rejected) |
 | vocab_size | 32000 | pseudo-token range |
 | eos_token_id | 2 | EOS id (generated tokens ending the request unless ignore_eos) |
+| max_logprobs | 20 | top logprobs a request may ask for, as vLLM's ``--max-logprobs`` (-1: vocab_size) |
 | dp_size | 1 | data-parallel ranks: one scheduler, pool and KV-event port each |
 | enable_lora | False | accept LoRA requests |
 | max_loras | 1 | distinct adapters in one running batch (vLLM's max_loras) |
@@ -46,6 +47,7 @@ class MockerArgs:
     max_model_len: int = 8192
     vocab_size: int = 32000
     eos_token_id: int = 2
+    max_logprobs: int = 20
     dp_size: int = 1
     enable_lora: bool = False
     max_loras: int = 1
@@ -89,6 +91,9 @@ class MockerArgs:
                 f"hold one max_model_len={self.max_model_len} sequence (vLLM refuses this too)")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError("without chunked prefill, max_num_batched_tokens must be >= max_model_len")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) \
+                or self.max_logprobs < -1:
+            raise ValueError(f"mocker arg max_logprobs must be an int >= -1, got {self.max_logprobs!r}")
         if not 0 <= self.eos_token_id < self.vocab_size:
             raise ValueError(f"eos_token_id {self.eos_token_id} outside vocab_size {self.vocab_size}")
         for name in ("die_after_tokens", "hang_after_tokens", "max_cpu_loras", "poison_token_id"):

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
+from actors.engines.limits import Limits, check_prompt_ids, check_sampling_limits
 from actors.engines.mocker import outputs
 from actors.engines.mocker import tokens as tk
 from actors.engines.mocker.config import MockerArgs
@@ -81,7 +82,9 @@ class MockerEngine(Engine):
         self.facts = ModelFacts(
             served_model_name=served_model_name, model_path="mock", tokenizer_path="mock",
             max_model_len=a.max_model_len, block_size=a.block_size, total_kv_blocks=a.num_gpu_blocks,
-            dp_size=a.dp_size, vocab_size=a.vocab_size, eos_token_ids=[a.eos_token_id])
+            dp_size=a.dp_size, vocab_size=a.vocab_size, eos_token_ids=[a.eos_token_id],
+            max_logprobs=a.max_logprobs)
+        self.limits = Limits.of(self.facts)
         self.timing = TimingModel(a.speedup_ratio)
         self.received_kv_transfer_params: list[dict[str, Any]] = []
         self.tokens_generated = 0
@@ -251,9 +254,7 @@ class MockerEngine(Engine):
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, TokensPrompt):
             ids = list(prompt.token_ids)
-            bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} out of vocabulary (size {self.args.vocab_size})")
+            check_prompt_ids(ids, self.limits)
             return ids
         if isinstance(prompt, TextPrompt):
             return tk.tokenize_text(prompt.text)
@@ -272,6 +273,9 @@ class MockerEngine(Engine):
             raise EngineDeadError("mocker engine is dead")
         if not self._started or self._stopped:
             raise RuntimeError("mocker engine is not running")
+        # vLLM's request checks (ValueErrors, as vLLM's are), before anything is built for the
+        # request: logprobs once made one list entry per requested logprob, however many
+        check_sampling_limits(sampling, self.limits)
         ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("empty prompt")

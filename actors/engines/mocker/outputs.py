@@ -27,6 +27,10 @@ def build(req: MockRequest, toks: list[int], final: bool, *, role: str, engine_i
 
 
 def logprob(tok: int, k: int, vocab_size: int) -> TokenLogprob:
+    """The sampled token's logprob and the top ``k`` (-1: the whole vocabulary, as vLLM reads it); the
+    engine has checked ``k`` against max_logprobs before the request started."""
+    if k == -1:
+        k = vocab_size
     lp = tk.fake_logprob(tok, 0)
     top = [(tok, lp)] if k > 0 else []
     for j in range(1, k):
