@@ -204,6 +204,9 @@ class VllmEngine(Engine):
             fields = {k: v for k, v in _struct_items(s.structured) if v is not None}
             kw["structured_outputs"] = StructuredOutputsParams(**fields)
         extra = dict(s.extra)
+        if extra.get("logit_bias"):
+            # JSON clients of a worker can only send string keys; SamplingParams compares them as ints
+            extra["logit_bias"] = {int(k): float(v) for k, v in extra["logit_bias"].items()}
         extra_args = dict(extra.pop("extra_args", None) or {})
         kw.update(extra)
         if self.role == "prefill":
@@ -319,6 +322,7 @@ class VllmEngine(Engine):
             total_kv_blocks=int(cc.num_gpu_blocks or 0),
             dp_size=cfg.parallel_config.data_parallel_size,
             hidden_size=mc.get_hidden_size(), vocab_size=mc.get_vocab_size(), eos_token_ids=eos,
+            max_logprobs=mc.max_logprobs,
         )
 
     def _resolve_kv_sources(self) -> list[KvEventSource]:

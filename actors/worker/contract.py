@@ -216,6 +216,10 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     dp_size: int = 1
     migration_limit: int = 3
     chat_template: str | None = None
+    # the limits a frontend checks requests against (actors.engines.limits); a card written before
+    # they were recorded decodes with no vocabulary (ids checked against int32 only) and vLLM's default
+    vocab_size: int | None = None
+    max_logprobs: int = 20
 
 
 def output_to_chunk(out: EngineOutput, index: int = 0) -> GenerateChunk:

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -54,6 +55,17 @@ _TOO_LONG = re.compile(r"prompt \(length (\d+)\) is longer|prompt has (\d+) toke
 def _prompt_len_in(message: str) -> int | None:
     m = _TOO_LONG.search(message)
     return int(m.group(1) or m.group(2)) if m else None
+
+
+def _is_request_error(e: Exception) -> bool:
+    """An engine's refusal of the request itself: a ValueError (the mocker, LimitError, older vLLM)
+    or one of vLLM's VLLMClientErrors (VLLMValidationError is not a ValueError). vllm is only loaded
+    where a vLLM engine runs, so it is looked up, never imported (a mocker worker stays without it)."""
+    if isinstance(e, ValueError):
+        return True
+    vllm_exceptions = sys.modules.get("vllm.exceptions")
+    client_error = getattr(vllm_exceptions, "VLLMClientError", None)
+    return client_error is not None and isinstance(e, client_error)
 
 
 @dataclass
@@ -178,8 +190,8 @@ class EngineService:
             raise EngineDead("engine dead: not accepting requests")
         if not self.accepting:
             raise Overloaded("worker is asleep or stopping: not accepting generate requests")
-        check_sampling(req.sampling)
         facts = self.engine.facts
+        check_sampling(req.sampling, facts)
         prompt, n_prompt = build_prompt(req, facts, self.pool.prompt_embeds)
         sampling = role_sampling(self.role, req.sampling)
         if n_prompt is None and req.prompt is not None and self._tokens is not None:
@@ -263,12 +275,17 @@ class EngineService:
             raise EngineDead(f"engine dead: {e}") from None
         except ActorError:
             raise
-        except ValueError as e:
+        except Exception as e:
+            if not _is_request_error(e):
+                raise
             # engines validate text-mode prompts late (they tokenize): keep vLLM's OpenAI wording
-            n = _prompt_len_in(str(e))
+            message = str(e.args[0]) if e.args else str(e)  # vLLM's str() appends "(parameter=..., value=...)"
+            n = _prompt_len_in(message)
             if n is not None:
                 raise BadRequest(context_length_message(self.max_model_len, n, sampling.max_tokens)) from None
-            raise BadRequest(str(e)) from None
+            err = BadRequest(message)
+            err.param = getattr(e, "param", None) or getattr(e, "parameter", None)  # type: ignore[attr-defined]
+            raise err from None
         finally:
             self._active.pop(rid, None)
             self._last_activity = time.monotonic()

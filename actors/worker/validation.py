@@ -9,10 +9,12 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import math
 from typing import Any
 
 import msgspec
 
+from actors.engines.limits import LimitError, Limits, check_prompt_ids, check_sampling_limits
 from actors.engines.protocol import (
     EmbedsPrompt,
     ModelFacts,
@@ -40,17 +42,32 @@ def check_context(max_len: int, prompt_tokens: int, max_tokens: int) -> None:
         raise BadRequest(context_length_message(max_len, prompt_tokens, max_tokens))
 
 
-def check_sampling(s: SamplingOptions) -> None:
+def bad_request(e: LimitError) -> BadRequest:
+    err = BadRequest(str(e))
+    err.param = e.param  # type: ignore[attr-defined]
+    return err
+
+
+def check_sampling(s: SamplingOptions, facts: ModelFacts) -> None:
+    """The request's own consistency, then the model's limits (the same checks as the frontend's,
+    for clients that talk to a worker over NATS)."""
     if s.max_tokens < 1:
         raise BadRequest(f"max_tokens must be at least 1, got {s.max_tokens}")
-    if s.temperature < 0:
-        raise BadRequest(f"temperature must be non-negative, got {s.temperature}")
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise BadRequest(f"temperature must be a finite non-negative number, got {s.temperature}")
     if not 0 < s.top_p <= 1:
         raise BadRequest(f"top_p must be in (0, 1], got {s.top_p}")
+    if not 0 <= s.min_p <= 1:
+        raise BadRequest(f"min_p must be in [0, 1], got {s.min_p}")
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if not math.isfinite(getattr(s, name)):
+            raise BadRequest(f"{name} must be a finite number, got {getattr(s, name)}")
     if s.min_tokens < 0 or s.min_tokens > s.max_tokens:
         raise BadRequest(f"min_tokens must be in [0, max_tokens], got {s.min_tokens}")
-    if s.logprobs is not None and s.logprobs < 0:
-        raise BadRequest(f"logprobs must be non-negative, got {s.logprobs}")
+    try:
+        check_sampling_limits(s, Limits.of(facts))
+    except LimitError as e:
+        raise bad_request(e) from None
 
 
 def decode_prompt_embeds(data: str, hidden_size: int | None) -> Any:
@@ -90,13 +107,10 @@ def build_prompt(req: GenerateRequest, facts: ModelFacts, embeds_enabled: bool) 
     if req.token_ids is not None:
         if not req.token_ids:
             raise BadRequest("token_ids is empty")
-        vocab = facts.vocab_size
-        if vocab is not None:
-            bad = [t for t in req.token_ids if t < 0 or t >= vocab]
-            if bad:
-                raise BadRequest(f"token id {bad[0]} out of range [0, {vocab})")
-        elif any(t < 0 for t in req.token_ids):
-            raise BadRequest("token ids must be non-negative")
+        try:
+            check_prompt_ids(req.token_ids, Limits.of(facts), "token_ids")
+        except LimitError as e:
+            raise bad_request(e) from None
         return TokensPrompt(token_ids=list(req.token_ids)), len(req.token_ids)
     if req.prompt is not None:
         if not req.prompt:

@@ -97,6 +97,19 @@ async def test_context_guard_text_mode_uses_tokenizer(env: Env) -> None:
     assert (await run(env, GenerateRequest(token_ids=[1, 2], sampling=greedy(1))))[-1].finish_reason == "length"
 
 
+async def test_vllm_request_errors_are_400s(env: Env) -> None:
+    """VLLMValidationError is no ValueError: a refusal the worker does not check itself still comes
+    back as a 400 with vLLM's words (not "(parameter=..., value=...)"), and the engine serves on."""
+    sampling = SamplingOptions(max_tokens=2, extra={"thinking_token_budget": 4})
+    with pytest.raises(BadRequest) as ei:
+        await run(env, GenerateRequest(token_ids=[1, 2], sampling=sampling))
+    assert str(ei.value).startswith("thinking_token_budget is set but reasoning_config is not configured")
+    # the model's limits are checked before vLLM sees the request, in the same words
+    with pytest.raises(BadRequest, match="Requested sample logprobs of 100, which is greater than max allowed: 20$"):
+        await run(env, GenerateRequest(token_ids=[1, 2], sampling=SamplingOptions(max_tokens=2, logprobs=100)))
+    assert (await run(env, GenerateRequest(token_ids=[1, 2], sampling=greedy(1))))[-1].finish_reason == "length"
+
+
 async def test_zz_engine_core_sigkill_restarts_in_place(env: Env) -> None:
     """Runs last in the module: it kills the engine."""
     inst = Registry(env.ctx.js, env.ctx.subjects.bucket_instances)

@@ -103,6 +103,47 @@ async def test_bad_requests(svc: EngineService, bad: dict[str, Any]) -> None:
     assert len(await collect(svc, req(token_ids=[1, 2]))) >= 1
 
 
+@pytest.mark.parametrize("body,param,words", [
+    # what a JSON client of the worker (nats req) can send: JSON integers have no size limit
+    (b'{"token_ids":[1],"sampling":{"logprobs":9223372036854775808}}', "logprobs",
+     "Requested sample logprobs of 9223372036854775808, which is greater than max allowed: 20"),
+    (b'{"token_ids":[1],"sampling":{"logprobs":21}}', "logprobs", "max allowed: 20"),
+    (b'{"token_ids":[1],"sampling":{"top_k":18446744073709551617}}', "top_k", "at most the vocabulary size"),
+    (b'{"token_ids":[1],"sampling":{"seed":18446744073709551617}}', "seed", "seed must be an integer in"),
+    (b'{"token_ids":[1],"sampling":{"max_tokens":18446744073709551617}}', "max_tokens", "at most"),
+    (b'{"token_ids":[9223372036854775813]}', "token_ids", "Token id 9223372036854775813 is out of vocabulary"),
+    (b'{"token_ids":[1],"sampling":{"stop_token_ids":[32000]}}', "stop_token_ids", "out-of-vocab"),
+    (b'{"token_ids":[1],"sampling":{"extra":{"logit_bias":{"99999999999999999999":1}}}}', "logit_bias",
+     "out-of-vocab"),
+    (b'{"token_ids":[1],"sampling":{"extra":{"prompt_logprobs":100}}}', "prompt_logprobs",
+     "Requested prompt logprobs of 100"),
+    (b'{"token_ids":[1],"sampling":{"extra":{"allowed_token_ids":[]}}}', "allowed_token_ids", "empty"),
+    (b'{"prompt":"x","sampling":{"stop":["' + b"s" * 1025 + b'"]}}', "stop", "at most 1024 characters"),
+])
+async def test_model_limits_before_the_engine(svc: EngineService, body: bytes, param: str, words: str) -> None:
+    r = msgspec.json.decode(body, type=GenerateRequest)
+    with pytest.raises(BadRequest) as ei:
+        await collect(svc, r)
+    assert words in str(ei.value) and getattr(ei.value, "param", None) == param
+    assert svc.in_flight() == 0
+    assert len(await collect(svc, req(token_ids=[1, 2]))) >= 1
+
+
+async def test_limits_follow_the_engine_facts() -> None:
+    s = make(max_logprobs=40, vocab_size=100)
+    await s.start()
+    try:
+        ok = GenerateRequest(token_ids=[99], sampling=SamplingOptions(max_tokens=1, logprobs=40, top_k=100))
+        assert (await collect(s, ok))[-1].finish_reason == "length"
+        for sampling in ({"logprobs": 41}, {"top_k": 101}):
+            with pytest.raises(BadRequest):
+                await collect(s, msgspec.convert({"token_ids": [1], "sampling": sampling}, GenerateRequest))
+        with pytest.raises(BadRequest, match="Token id 100 is out of vocabulary"):
+            await collect(s, GenerateRequest(token_ids=[100]))
+    finally:
+        await s.shutdown()
+
+
 def _embeds(tensor: Any) -> str:
     import torch
 
