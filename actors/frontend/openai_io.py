@@ -8,6 +8,7 @@ vLLM's server. Importing these models loads vLLM's config classes but never buil
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -54,11 +55,43 @@ def _bad_from(e: Exception) -> BadRequest:
     return err
 
 
-def parse_chat(body: bytes) -> ChatCompletionRequest:
+# Fields vLLM's "before" model validators read before pydantic has checked their types: each one
+# iterates or .get()s its field, so another type is a TypeError/AttributeError out of pydantic.
+_READ_EARLY: dict[str, tuple[type, ...]] = {"messages": (list,), "structured_outputs": (dict, type(None))}
+_TYPE_WORDS = {list: "a valid list", dict: "a valid dictionary"}
+
+
+def _early_read_error(body: bytes) -> BadRequest | None:
+    """The field of ``body`` that made one of vLLM's early validators fail, as pydantic would have
+    named it; None when it is not one of those (then the failure is a bug, not the input)."""
     try:
-        req = ChatCompletionRequest.model_validate_json(body)
+        data = json.loads(body)  # the slow path only; jiter already bounded the nesting depth
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    for name, types in _READ_EARLY.items():
+        if name in data and not isinstance(data[name], types):
+            err = BadRequest(f"{name}: Input should be {_TYPE_WORDS[types[0]]}")
+            err.param = name  # type: ignore[attr-defined]
+            return err
+    return None
+
+
+def _validate(model: type[pydantic.BaseModel], body: bytes) -> Any:
+    try:
+        return model.model_validate_json(body)
     except (pydantic.ValidationError, ValueError, VLLMValidationError) as e:
         raise _bad_from(e) from None
+    except (TypeError, AttributeError):
+        err = _early_read_error(body)
+        if err is None:
+            raise
+        raise err from None
+
+
+def parse_chat(body: bytes) -> ChatCompletionRequest:
+    req: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
     if not req.messages:
         raise BadRequest("messages must not be empty")
     if req.use_beam_search:
@@ -67,10 +100,7 @@ def parse_chat(body: bytes) -> ChatCompletionRequest:
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
-    try:
-        req = CompletionRequest.model_validate_json(body)
-    except (pydantic.ValidationError, ValueError, VLLMValidationError) as e:
-        raise _bad_from(e) from None
+    req: CompletionRequest = _validate(CompletionRequest, body)
     if req.prompt is None and req.prompt_embeds is None:
         raise BadRequest("either prompt or prompt_embeds is required")
     if req.use_beam_search:

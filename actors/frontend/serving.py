@@ -20,6 +20,7 @@ from bus.tasks import cancel_and_wait
 from .detok import TextStream
 from .discovery import ModelEntry, WorkerSet
 from .engine_flow import CompletionFlow, FlowDeps, FlowSpec
+from .limits import card_limits, check_fan_out, check_prompt, check_sampling
 from .openai_io import OutputOptions, new_id, requested_max_tokens, to_sampling
 from .preprocess import Preprocessor
 from .quarantine import fingerprint
@@ -87,8 +88,11 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
     chat = isinstance(req, ChatCompletionRequest)
     card = entry.card
     ctx = card.context_length
+    limits = card_limits(card)
+    n = req.n if req.n is not None else 1
     prompts: list[tuple[list[int] | None, str | None]] = []
     if chat:
+        check_fan_out(n, 1)
         if pre is None:
             raise Overloaded(f"no tokenizer for model {entry.name} at this frontend (set model.tokenizer "
                              "in the topology); only /v1/completions with text prompts can be served")
@@ -105,6 +109,7 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
         items: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p or [])
         if not items:
             raise BadRequest("prompt must not be empty")
+        check_fan_out(n, len(items))
         for item in items:
             if isinstance(item, str):
                 if pre is None:
@@ -114,7 +119,9 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
             else:
                 if not item:
                     raise BadRequest("prompt must not be empty")
-                prompts.append((list(item), None))
+                given = list(item)
+                check_prompt(given, limits, chat)  # before anything decodes, hashes or sends them
+                prompts.append((given, None))
     requested = requested_max_tokens(req, body)
     samplings: list[SamplingOptions] = []
     out: OutputOptions | None = None
@@ -122,11 +129,9 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
         plen = len(ids) if ids is not None else 0
         mt = _max_tokens(requested, plen, ctx) if ids is not None else (requested or 16)
         so, out = to_sampling(req, mt, text_mode=ids is None)
+        check_sampling(so, out.stop, n, limits, chat)
         samplings.append(so)
     assert out is not None
-    n = req.n or 1
-    if n < 1 or n > 128:
-        raise BadRequest("n must be between 1 and 128")
     stream = bool(req.stream)
     include_usage = bool(stream and req.stream_options and req.stream_options.include_usage)
     echo_texts: list[str] = []

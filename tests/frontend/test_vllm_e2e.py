@@ -12,9 +12,12 @@ import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
+import openai
 import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
+from vllm.exceptions import VLLMValidationError
+from vllm.sampling_params import SamplingParams
 
 from actors.frontend.actor import FrontendActor
 from actors.frontend.app import WORKER_HEADER
@@ -91,6 +94,27 @@ async def test_completions_n2_stop_logprobs(stack: Any) -> None:
     for ch in r2.choices:
         assert len(ch.logprobs.tokens) == 4 and all(len(t) <= 2 for t in ch.logprobs.top_logprobs)
         assert all(lp <= 0 for lp in ch.logprobs.token_logprobs)
+
+
+async def test_logprobs_beyond_the_engines_max_is_a_400_in_vllms_words(stack: Any) -> None:
+    """The limit travels in the model card from vLLM's own model config, and the frontend refuses
+    with the words vLLM's engine would have used (it once passed the request on and answered 500)."""
+    c, worker = stack
+    model_config = worker.service.engine._llm.vllm_config.model_config
+    card = worker.model_card()
+    assert (card.max_logprobs, card.vocab_size) == (model_config.max_logprobs, model_config.get_vocab_size())
+    with pytest.raises(VLLMValidationError) as engine_says:
+        SamplingParams(logprobs=100)._validate_logprobs(model_config)
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.completions.create(model="tiny", prompt="The cat", max_tokens=2, logprobs=100)
+    assert ei.value.status_code == 400
+    assert ei.value.body == {"message": engine_says.value.args[0], "type": "invalid_request_error",
+                             "param": "logprobs", "code": 400}
+    assert ei.value.body["message"] == "Requested sample logprobs of 100, which is greater than max allowed: 20"
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, logprobs=True,
+                                        top_logprobs=100)
+    assert ei.value.body["param"] == "top_logprobs" and "max allowed: 20" in ei.value.body["message"]
 
 
 async def test_json_schema(stack: Any) -> None:
