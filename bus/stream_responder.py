@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 
 from bus import codec
 from bus import subjects as S
+from bus.connection import settling
 from bus.errors import ActorError, BadRequest
 from bus.wire import DEFAULT_STALL, HEARTBEAT_FRACTION, NO_RESPONDERS, STATUS, encode_payload, error_headers
 
@@ -36,12 +37,19 @@ class _GoneMux:
 
     async def _on_msg(self, msg: Msg) -> None:
         h = msg.headers
+        if h and h.get(STATUS) == NO_RESPONDERS and settling(msg._client):
+            # right after a bus restart the caller may not have re-subscribed its inbox yet: keep
+            # streaming; what it missed shows up as a gap and it re-sends the rest
+            return
         if h and (h.get(STATUS) == NO_RESPONDERS or h.get(S.STREAM_CONTROL) == S.GONE):
             ev = self.waiters.get(msg.subject)
             if ev is not None:
                 ev.set()
-        elif msg.reply:  # a caller's liveness probe: this process is still here
-            await msg._client.publish(msg.reply, b"")
+        elif msg.reply:
+            # a caller's liveness probe: this process is here; say whether that stream still is
+            # (one this process dropped would otherwise leave its caller waiting a whole stall timeout)
+            gone = None if msg.subject in self.waiters else {S.STREAM_CONTROL: S.GONE}
+            await msg._client.publish(msg.reply, b"", headers=gone)
 
     async def register(self) -> tuple[str, asyncio.Event]:
         await asyncio.shield(self._ready)

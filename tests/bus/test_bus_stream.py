@@ -17,7 +17,7 @@ import pytest
 from bus import codec
 from bus import subjects as S
 from bus.context import BusContext
-from bus.errors import BadRequest, RemoteError, StreamGap, StreamStalled, Unavailable
+from bus.errors import BadRequest, RemoteError, ResponderGone, StreamGap, StreamStalled, Unavailable
 from bus.stream import stream_request
 from bus.stream_responder import StreamCancels, request_id, respond_stream
 
@@ -334,3 +334,20 @@ async def test_closing_the_connection_ends_open_calls(nats_server, responder: Re
         await call.__anext__()
     await closer
     assert time.monotonic() - t0 < 10
+
+
+async def test_a_stream_its_live_responder_dropped_is_found_by_the_probe(bus: BusContext,
+                                                                         responder: Responder) -> None:
+    """The responder's process lives on but dropped the stream (it took the caller for gone during
+    a bus restart): the probe's answer says so, and the caller does not wait out the stall timeout."""
+    stall = 6.0
+    call = stream_request(bus.nc, responder.subject, {"n": 1000, "interval": 0.02}, stall_timeout=stall)
+    seen = 0
+    dropped_at = 0.0
+    with pytest.raises(ResponderGone):
+        async for _ in call:
+            seen += 1
+            if seen == 5:
+                assert responder.cancels.cancel(call.request_id)  # the responder side ends it, silently
+                dropped_at = time.monotonic()
+    assert time.monotonic() - dropped_at < stall
