@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
@@ -94,6 +95,7 @@ class KvRouterFeed:
                          "ranges": 0, "dumps": 0, "recoveries": 0, "recovery_failures": 0,
                          "load_reports": 0, "workers_removed": 0,
                          "events_ignored": 0}
+        self._decode_warned = float("-inf")  # monotonic time of the last undecodable-event warning
 
     # --- lifecycle -----------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -177,9 +179,14 @@ class KvRouterFeed:
     async def _on_event_msg(self, msg: Msg) -> None:
         try:
             ev = decode_event(msg.data) if codec.is_msgpack(msg.headers) else _json_event.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as e:
+            # anyone on the bus can publish here: count it, and log the first of each minute only
             self.counters["decode_errors"] += 1
-            log.warning("KV feed: undecodable event on %s: %s", msg.subject, e)
+            now = time.monotonic()
+            if now - self._decode_warned >= 60.0:
+                self._decode_warned = now
+                log.warning("KV feed: undecodable event on %s (%d so far): %s", msg.subject,
+                            self.counters["decode_errors"], str(e)[:200])
             return
         self.handle_event(ev)
 

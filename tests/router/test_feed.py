@@ -352,3 +352,19 @@ async def test_router_used_before_its_feed_keeps_its_decisions(cluster: Cluster)
     await converged(router, feed, a, b)
     assert router.stats()["predicted"]["blocks"] == 0
     assert router.route(early, feed.known_workers(), book=False).overlap_blocks == 4
+
+
+async def test_garbage_on_the_event_subject_is_counted_not_raised(bus: BusContext, cluster: Cluster) -> None:
+    """Anyone on the bus can publish on ns.kv.events.*: undecodable events (deep nesting, invalid
+    UTF-8, msgpack garbage) are counted; the feed goes on indexing real events."""
+    a = await cluster.add_worker("wg")
+    router, feed = await cluster.feed()
+    await eventually(lambda: feed.known_workers() == [("wg", 0)])
+    subject = bus.subjects.kv_events("wg")
+    for data, headers in ((b"[" * 100_000 + b"]" * 100_000, None), (b'{"instance": "\xff"}', None),
+                          (b"\xc1\xc1", {"Content-Type": "application/msgpack"}),
+                          (b"\x91" * 5000 + b"\xc0", {"Content-Type": "application/msgpack"})):
+        await bus.nc.publish(subject, data, headers=headers)
+    await eventually(lambda: feed.counters["decode_errors"] == 4)
+    await a.generate(list(range(2000, 2000 + 3 * BS)), "after-garbage")
+    await converged(router, feed, a)
