@@ -134,6 +134,11 @@ def to_sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
             raise BadRequest("structural_tag response formats are not supported")
         structured = StructuredOutput(json=so.json, json_object=so.json_object, regex=so.regex,
                                       choice=so.choice, grammar=so.grammar)
+    if sp.allowed_token_ids is not None and not sp.allowed_token_ids:
+        # vLLM's engine refuses it; dropped here as "unset", it would sample from the whole vocabulary
+        err = BadRequest("allowed_token_ids is not None and empty!")
+        err.param = "allowed_token_ids"  # type: ignore[attr-defined]
+        raise err
     extra: dict[str, Any] = {}
     for name in _EXTRA_FIELDS:
         v = getattr(sp, name, None)

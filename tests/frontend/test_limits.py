@@ -158,6 +158,7 @@ def test_sampling_limits_cover_the_extra_fields() -> None:
     ({"prompt": "hi", "stop_token_ids": [VOCAB]}, "stop_token_ids", "out-of-vocab"),
     ({"prompt": "hi", "logit_bias": {"99999999999999999999999": 1}}, "logit_bias", "out-of-vocab"),
     ({"prompt": "hi", "allowed_token_ids": [2**64]}, "allowed_token_ids", "out-of-vocab"),
+    ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids", "allowed_token_ids is not None and empty!"),
     ({"prompt": "hi", "stop": "x" * 1025}, "stop", "at most 1024 characters"),
     ({"messages": MSG, "stop": ["x" * 2000]}, "stop", "at most 1024 characters"),
     ({"prompt": "hi", "seed": INT64_MAX, "n": 2}, "seed", "n=2 copies"),
