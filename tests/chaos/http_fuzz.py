@@ -1,0 +1,349 @@
+"""HTTP fuzzing of the OpenAI surface: hypothesis-drawn bodies for /v1/completions and
+/v1/chat/completions sent to a running deployment, judged only on what a client may rely on.
+
+Every response must be a 2xx or a 4xx, and every error an OpenAI-shaped JSON body
+(``{"error": {"message": str, "type": str, "param": ..., "code": ...}}``, Content-Type
+application/json). A 5xx, a malformed error body, a dropped connection or a streamed error event
+with a 5xx code is a failure.
+
+``run_http_fuzz`` is a plain function (no pytest fixture) so a bench script can call it against any
+deployment and write its figures. Cases are drawn with hypothesis from a seed, so one seed always
+sends the same cases.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hyp_seed
+from hypothesis import strategies as st
+
+CHAT = "/v1/chat/completions"
+COMPL = "/v1/completions"
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str  # what kind of junk this is (figures are also counted per label)
+    path: str
+    body: bytes
+    content_type: str | None = JSON
+    expect: int | None = None  # the exact status a case must get (explicit cases only)
+
+
+@dataclass
+class Outcome:
+    case: Case
+    status: int  # 0: no HTTP response at all
+    content_type: str
+    body: bytes
+    seconds: float
+    error: str = ""  # transport error when status is 0
+
+
+# --- the issue's requests (each must be a 400) -----------------------------------------------------
+def explicit_cases(model: str) -> list[Case]:
+    msg = [{"role": "user", "content": "hi"}]
+
+    def compl(**kw: Any) -> bytes:
+        return json.dumps({"model": model, "prompt": "hello", "max_tokens": 4, **kw}).encode()
+
+    def chat(**kw: Any) -> bytes:
+        return json.dumps({"model": model, "messages": msg, "max_tokens": 4, **kw}).encode()
+
+    big = 2**64 + 1
+    cases = [
+        Case("issue:logprobs-2**63", COMPL, compl(logprobs=9223372036854775808), expect=400),
+        Case("issue:logprobs-100", COMPL, compl(logprobs=100), expect=400),
+        Case("issue:top_k-2**64+1", COMPL, compl(top_k=big), expect=400),
+        Case("issue:logprobs-2**64+1", COMPL, compl(logprobs=big), expect=400),
+        Case("issue:top_logprobs-2**64+1", CHAT, chat(logprobs=True, top_logprobs=big), expect=400),
+        Case("issue:prompt-id-2**63+5", COMPL, json.dumps({"model": model, "prompt": [2**63 + 5]}).encode(),
+             expect=400),
+        Case("issue:nested-100k", CHAT, b'{"model":"' + model.encode() + b'","messages":' + b"[" * 100_000
+             + b"]" * 100_000 + b"}", expect=400),
+    ]
+    for v in (5, None, 1.5, True):
+        cases.append(Case(f"issue:messages-{v}", CHAT,
+                          json.dumps({"model": model, "messages": v}).encode(), expect=400))
+    return cases
+
+
+# --- strategies ------------------------------------------------------------------------------------
+EDGE_INTS = [0, 1, -1, -2, 2, 16, 20, 21, 100, 128, 129, 2047, 2048, 2049, 16384, 2**31 - 1, 2**31,
+             2**53 + 1, 2**63 - 1, 2**63, 2**63 + 5, 2**64 - 1, 2**64, 2**64 + 1, -(2**63), -(2**63) - 1,
+             10**30, -(10**30)]
+ODD_STRINGS = ["", " ", "NaN", "nan", "Infinity", "-Infinity", "1e309", "0x1F", "null", "true", "[]", "{}",
+               "\x00", "\ud800", "\udfff", "\U0001f600" * 3, "\u202e\u0301", "a" * 5000, "<|endoftext|>"]
+
+ints = st.integers() | st.sampled_from(EDGE_INTS)
+floats = st.floats()  # NaN and ±inf included: json.dumps writes them as NaN / Infinity
+strings = st.text(max_size=24) | st.sampled_from(ODD_STRINGS)
+scalars = st.none() | st.booleans() | ints | floats | strings
+junk = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=10)
+token_ids = st.lists(st.integers(min_value=0, max_value=4096) | st.sampled_from(EDGE_INTS), max_size=8)
+stops = strings | st.lists(strings, max_size=6) | st.lists(st.text(min_size=1000, max_size=1100), max_size=2)
+
+
+def _message() -> st.SearchStrategy[Any]:
+    role = st.sampled_from(["user", "system", "assistant", "developer", "tool", "function", "nobody"]) | junk
+    part = st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url", "input_text", "refusal"]) | junk},
+                                 optional={"text": strings | junk, "image_url": junk})
+    content = strings | st.lists(part, max_size=3) | junk
+    return st.fixed_dictionaries({"role": role}, optional={"content": content, "name": junk,
+                                                           "tool_calls": junk}) | junk
+
+
+COMMON: dict[str, st.SearchStrategy[Any]] = {
+    "max_tokens": ints, "n": ints, "seed": ints, "top_k": ints, "min_tokens": ints,
+    "prompt_logprobs": ints, "truncate_prompt_tokens": ints, "priority": ints, "thinking_token_budget": ints,
+    "stream_interval": ints,
+    "temperature": floats | ints | strings, "top_p": floats | ints, "min_p": floats | ints,
+    "presence_penalty": floats, "frequency_penalty": floats, "repetition_penalty": floats,
+    "length_penalty": floats,
+    "stop": stops, "stop_token_ids": token_ids, "allowed_token_ids": token_ids,
+    "logprob_token_ids": token_ids, "bad_words": st.lists(strings, max_size=4),
+    "logit_bias": st.dictionaries(st.sampled_from(["0", "1", "-1", "2048", "99999999999999999999999", "x"])
+                                  | ints.map(str), floats | ints, max_size=4),
+    "stream": st.booleans(), "stream_options": st.fixed_dictionaries({}, optional={"include_usage": junk}),
+    "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(), "echo": st.booleans(),
+    "include_stop_str_in_output": st.booleans(), "add_special_tokens": st.booleans(),
+    "use_beam_search": st.booleans(), "user": strings,
+    "response_format": st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "json_object", "json_schema", "structural_tag", "nope"])},
+        optional={"json_schema": junk}),
+    "structured_outputs": junk, "vllm_xargs": junk, "kv_transfer_params": junk, "cache_salt": strings,
+}
+COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    **COMMON, "logprobs": ints | st.booleans(), "suffix": strings,
+    "prompt": strings | token_ids | st.lists(token_ids, max_size=3) | st.lists(strings, max_size=3),
+}
+CHAT_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    **COMMON, "logprobs": st.booleans() | ints, "top_logprobs": ints, "max_completion_tokens": ints,
+    "messages": st.lists(_message(), max_size=3),
+    "tools": junk, "tool_choice": junk, "chat_template": strings, "chat_template_kwargs": junk,
+    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
+}
+
+
+@st.composite
+def _fields(draw: st.DrawFn, fields: dict[str, st.SearchStrategy[Any]]) -> dict[str, Any]:
+    """Up to four fields, each a near-valid value of its own kind or any junk at all."""
+    names = draw(st.lists(st.sampled_from(sorted(fields)), max_size=4, unique=True))
+    return {k: draw(fields[k] | junk) for k in names}
+
+
+def _dumps(obj: Any, ascii_only: bool) -> bytes:
+    # ascii_only: lone surrogates as \ud800 escapes; otherwise as invalid UTF-8 (CESU-8) bytes
+    return json.dumps(obj, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+
+
+@st.composite
+def json_case(draw: st.DrawFn, model: str) -> Case:
+    chat = draw(st.booleans())
+    base: dict[str, Any] = ({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+                            if chat else {"model": model, "prompt": "hello", "max_tokens": 4})
+    for key in draw(st.sets(st.sampled_from(sorted(base)), max_size=2)):
+        del base[key]  # a missing required field now and then
+    base.update(draw(_fields(CHAT_FIELDS if chat else COMPLETION_FIELDS)))
+    base.update(draw(st.dictionaries(st.text(max_size=10), junk, max_size=2)))  # unknown extra fields
+    # one body in twenty is not even an object (hypothesis favours index 0: keep the object there)
+    top: Any = base if draw(st.sampled_from(["object"] * 19 + ["junk"])) == "object" else draw(junk)
+    label = ("chat" if chat else "completion") + ("" if top is base else "-junk")
+    return Case(label, CHAT if chat else COMPL, _dumps(top, draw(st.booleans())))
+
+
+@st.composite
+def raw_case(draw: st.DrawFn, model: str) -> Case:
+    path = draw(st.sampled_from([CHAT, COMPL]))
+    good = _dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+                  if path == CHAT else {"model": model, "prompt": "hello", "max_tokens": 4}, True)
+    kind = draw(st.sampled_from(["truncated", "bytes", "utf8", "nested", "content-type", "literal", "huge"]))
+    if kind == "truncated":
+        return Case(kind, path, good[:draw(st.integers(0, len(good) - 1))])
+    if kind == "bytes":
+        return Case(kind, path, draw(st.binary(max_size=64)))
+    if kind == "utf8":  # invalid UTF-8 inside a string value
+        bad = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xc0\xaf"]))
+        return Case(kind, path, good.replace(b"hi" if path == CHAT else b"hello", bad, 1))
+    if kind == "nested":
+        depth = draw(st.sampled_from([64, 127, 128, 199, 200, 201, 255, 256, 1000, 10_000]))
+        where = draw(st.sampled_from(["messages", "prompt", "extra", "logit_bias", "chat_template_kwargs",
+                                      "top"]))
+        opener, closer = (b"[", b"]") if draw(st.booleans()) else (b'{"a":', b"}")
+        nest = opener * depth + b"1" * (opener != b"[") + closer * depth
+        if where == "top":
+            return Case(kind, path, nest)
+        return Case(kind, path, good[:-1] + b',"' + where.encode() + b'":' + nest + b"}")
+    if kind == "huge":  # a 1 MiB prompt or message, or a body beyond the 8 MiB default limit (413)
+        size = draw(st.sampled_from([1 << 20, 9 << 20]))
+        text = "word " * (size // 5)
+        body = ({"model": model, "messages": [{"role": "user", "content": text}]} if path == CHAT
+                else {"model": model, "prompt": text})
+        return Case(kind, path, _dumps(body, True))
+    if kind == "content-type":
+        ctype = draw(st.sampled_from([None, "text/plain", "application/x-www-form-urlencoded",
+                                      "multipart/form-data; boundary=x", "application/json; charset=latin-1",
+                                      "application/octet-stream"]))
+        return Case(kind, path, good, ctype)
+    # JSON-ish literals json.dumps never writes
+    lit = draw(st.sampled_from([b"NaN", b"-Infinity", b"1e999999", b"-0", b"01", b"1.", b".5", b"0x10",
+                                b'"\\ud800"', b'"\\u00"', b"tru", b"[1,]", b"{,}"]))
+    field = draw(st.sampled_from([b"temperature", b"max_tokens", b"top_k", b"logprobs", b"seed", b"n",
+                                  b"prompt", b"messages", b"stop"]))
+    return Case(kind, path, good[:-1] + b',"' + field + b'":' + lit + b"}")
+
+
+def cases_strategy(model: str) -> st.SearchStrategy[Case]:
+    return st.one_of(json_case(model), json_case(model), json_case(model), raw_case(model))
+
+
+def draw_cases(model: str, n: int, seed: int) -> list[Case]:
+    """``n`` distinct cases, the same for the same seed. Hypothesis repeats itself now and then
+    (minimal examples, mutations of earlier ones), so it draws a third more and tops up if needed."""
+    out: dict[tuple[str, bytes, str | None], Case] = {}
+    round_ = 0
+    while len(out) < n and round_ < 5:
+        want = n - len(out)
+
+        @settings(max_examples=want + want // 3 + 10, database=None, phases=[Phase.generate], deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @hyp_seed(seed + round_)
+        @given(cases_strategy(model))
+        def collect(case: Case) -> None:
+            out.setdefault((case.path, case.body, case.content_type), case)
+
+        collect()
+        round_ += 1
+    return list(out.values())[:n]
+
+
+# --- sending and judging ----------------------------------------------------------------------------
+class _Sender:
+    """One keep-alive connection per thread (a new one after any transport error)."""
+
+    def __init__(self, base_url: str, timeout: float) -> None:
+        u = urllib.parse.urlsplit(base_url)
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 80
+        self.timeout = timeout
+        self.local = threading.local()
+
+    def send(self, case: Case) -> Outcome:
+        t0 = time.perf_counter()
+        headers = {"Content-Type": case.content_type} if case.content_type else {}
+        for attempt in (0, 1):
+            conn = getattr(self.local, "conn", None)
+            if conn is None:
+                conn = self.local.conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            try:
+                conn.request("POST", case.path, body=case.body, headers=headers)
+                resp = conn.getresponse()
+                body = resp.read()
+                if resp.getheader("Connection", "").lower() == "close":
+                    conn.close()
+                    self.local.conn = None
+                return Outcome(case, resp.status, resp.getheader("Content-Type", ""), body,
+                               time.perf_counter() - t0)
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                self.local.conn = None
+                # a kept-alive connection the server closed meanwhile: one fresh try
+                if attempt == 0 and isinstance(e, http.client.RemoteDisconnected | ConnectionResetError |
+                                                  BrokenPipeError):
+                    continue
+                return Outcome(case, 0, "", b"", time.perf_counter() - t0, f"{type(e).__name__}: {e}")
+        raise AssertionError("unreachable")
+
+
+def openai_error_shape(body: Any) -> bool:
+    err = body.get("error") if isinstance(body, dict) else None
+    return (isinstance(err, dict) and isinstance(err.get("message"), str) and isinstance(err.get("type"), str)
+            and "param" in err and "code" in err)
+
+
+def judge(o: Outcome) -> str | None:
+    """Why this outcome is a failure, or None."""
+    if o.status == 0:
+        return f"no response ({o.error})"
+    if o.case.expect is not None and o.status != o.case.expect:
+        return f"expected {o.case.expect}, got {o.status}"
+    if o.status >= 500:
+        return f"server error {o.status}"
+    if o.status >= 400:
+        if not o.content_type.startswith(JSON):
+            return f"error with Content-Type {o.content_type!r}"
+        try:
+            body = json.loads(o.body)
+        except ValueError:
+            return "error body is not JSON"
+        return None if openai_error_shape(body) else "error body is not OpenAI-shaped"
+    if o.content_type.startswith("text/event-stream"):
+        for line in o.body.split(b"\n"):
+            if line.startswith(b"data: {\"error\""):
+                try:
+                    err = json.loads(line[6:]).get("error", {})
+                except ValueError:
+                    return f"stream error event is not JSON: {line[:200]!r}"
+                if not isinstance(err.get("code"), int) or err["code"] >= 500 or not openai_error_shape(
+                        {"error": err}):
+                    return f"stream error event {line[:200]!r}"
+        return None if o.body.rstrip().endswith(b"data: [DONE]") else "stream without [DONE]"
+    try:
+        body = json.loads(o.body)
+    except ValueError:
+        return "200 body is not JSON"
+    return None if isinstance(body, dict) and isinstance(body.get("choices"), list) else "200 without choices"
+
+
+def run_http_fuzz(base_url: str, model: str, cases: int | Sequence[Case] = 2000, seed: int = 0, *,
+                  concurrency: int = 4, timeout: float = 60.0, explicit: bool = True,
+                  max_examples: int = 20) -> dict[str, Any]:
+    """Send the issue's requests (``explicit``) and ``cases`` (a number to draw from ``seed``, or
+    cases drawn already); return the figures: cases, seconds, status histogram, server_errors
+    (≥ 500 or no response), bad_error_bodies, failures (count), examples (up to ``max_examples``),
+    per-label histograms, slowest case."""
+    t0 = time.perf_counter()
+    drawn = draw_cases(model, cases, seed) if isinstance(cases, int) else list(cases)
+    todo = (explicit_cases(model) if explicit else []) + drawn
+    drawn_s = time.perf_counter() - t0
+    sender = _Sender(base_url, timeout)
+    with ThreadPoolExecutor(concurrency) as ex:
+        outcomes = list(ex.map(sender.send, todo))
+    status: Counter[str] = Counter()
+    labels: dict[str, Counter[str]] = {}
+    examples: list[dict[str, Any]] = []
+    server_errors = bad_bodies = failures = 0
+    for o in outcomes:
+        status[str(o.status)] += 1
+        labels.setdefault(o.case.label.split(":")[0], Counter())[str(o.status)] += 1
+        why = judge(o)
+        if why is None:
+            continue
+        failures += 1
+        if o.status == 0 or o.status >= 500:
+            server_errors += 1
+        elif o.status >= 400:
+            bad_bodies += 1
+        if len(examples) < max_examples:
+            examples.append({"why": why, "label": o.case.label, "path": o.case.path,
+                             "content_type": o.case.content_type, "request": o.case.body[:300].decode(errors="replace"),
+                             "status": o.status, "response": o.body[:300].decode(errors="replace")})
+    slow = max(outcomes, key=lambda o: o.seconds)
+    return {"cases": len(outcomes), "seconds": round(time.perf_counter() - t0, 2), "draw_seconds": round(drawn_s, 2),
+            "status": dict(sorted(status.items())), "server_errors": server_errors,
+            "bad_error_bodies": bad_bodies, "failures": failures, "examples": examples,
+            "by_label": {k: dict(sorted(v.items())) for k, v in sorted(labels.items())},
+            "slowest": {"seconds": round(slow.seconds, 3), "label": slow.case.label,
+                        "request": slow.case.body[:200].decode(errors="replace")}}

@@ -1,0 +1,103 @@
+"""A mocker deployment booted with the CLI takes 2,000+ fuzzed requests (tests/chaos/http_fuzz.py)
+and the issue's requests of death: no 5xx, every error OpenAI-shaped, and afterwards the same worker
+still serves a normal request (no restart, no new instance).
+
+Memory: every worker-bound integer is checked against the model's limits before anything is built
+for it (actors.engines.limits), so no case can make the worker allocate per requested item any
+more. In case one still did, the deployment's processes get an address-space limit of what they use
+at boot plus a margin: a runaway allocation is then a MemoryError (a 500 or a restart, which fail
+this test) instead of the OOM killer picking a process of this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.chaos.http_fuzz import CHAT, draw_cases, run_http_fuzz
+from tests.e2e.conftest import Deployment, boot, chat_body, post, shutdown
+
+pytestmark = [pytest.mark.slow]
+
+MODEL = "tiny"
+CASES = 2000
+SEED = 20261124
+# cheap valid requests: a short context bounds what "max_tokens absent" (= the context left) costs,
+# and zero compute means no simulated step time
+SETS = ["pools.agg.engine_args.max_model_len=128", "pools.agg.engine_args.speedup_ratio=0"]
+HEADROOM = 2 << 30  # address space each process may add to what it had at boot
+
+
+def _children(root: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == root:
+            pids.append(int(entry))
+    return pids
+
+
+def _vm_size(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cap_memory(d: Deployment) -> dict[int, int]:
+    """RLIMIT_AS (soft) of the root supervisor (the frontend runs in it) and its children = their
+    size now + HEADROOM; what each got."""
+    assert d.proc is not None
+    caps = {}
+    for pid in [d.proc.pid, *_children(d.proc.pid)]:
+        limit = _vm_size(pid) + HEADROOM
+        _, hard = resource.prlimit(pid, resource.RLIMIT_AS)
+        resource.prlimit(pid, resource.RLIMIT_AS, (limit, hard))
+        caps[pid] = limit
+    return caps
+
+
+@pytest.fixture(scope="module")
+def fuzz_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Deployment, list]]:
+    # drawing the cases takes seconds of CPU: do it while the deployment boots
+    with ThreadPoolExecutor(1) as ex:
+        drawn = ex.submit(draw_cases, MODEL, CASES, SEED)
+        d = boot(tmp_path_factory, "fuzz", "mocker-agg.toml", ready={"agg": 1}, sets=SETS)
+        cases = drawn.result()
+    try:
+        cap_memory(d)
+        yield d, cases
+    finally:
+        shutdown(d)
+
+
+def test_fuzzed_requests_are_2xx_or_openai_4xx_and_the_worker_survives(fuzz_setup: tuple) -> None:
+    d, cases = fuzz_setup
+    before = sorted(d.instances())
+    log_at = d.log.stat().st_size
+    assert before, d.output()
+    figures = run_http_fuzz(d.url, MODEL, cases, SEED)
+    print("http fuzz figures:", json.dumps({k: v for k, v in figures.items() if k != "examples"}))
+    detail = json.dumps(figures["examples"], indent=1)[:6000]
+    assert figures["cases"] >= CASES
+    assert figures["server_errors"] == 0, detail
+    assert figures["bad_error_bodies"] == 0, detail
+    assert figures["failures"] == 0, detail
+    assert figures["status"].get("200", 0) > 100 and figures["status"].get("400", 0) > 100, figures["status"]
+    # the same worker still serves, and nothing restarted meanwhile
+    code, _, text = post(d.url + CHAT, chat_body(MODEL))
+    assert code == 200, text
+    assert sorted(d.instances()) == before
+    with open(d.log, "rb") as f:
+        f.seek(log_at)
+        later = f.read().decode(errors="replace")
+    assert "; restarting " not in later and " died" not in later, later[-3000:]
