@@ -9,6 +9,7 @@ exponentially growing, jittered delay instead.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import random
@@ -118,7 +119,7 @@ async def connect(cfg: BusConfig | str, name: str, *, initial_attempts: int = 3,
     async def on_closed() -> None:
         log.info("nats %s: connection closed", name)
 
-    errors: list[Exception] = []
+    errors: collections.deque[Exception] = collections.deque(maxlen=1)  # the last, for the first connect's message
 
     async def on_error(e: Exception) -> None:
         errors.append(e)
@@ -162,3 +163,11 @@ async def wait_connected(nc: Client, timeout: float) -> bool:
             return False
         await asyncio.sleep(0.05)
     return True
+
+
+async def until_closed(nc: Client, poll: float = 1.0) -> None:
+    """Return once ``nc`` is closed for good. nats-py reconnects forever, but it closes a connection
+    after some server errors (a message over max_payload, an authorization change); a process whose
+    only connection is closed is off the bus for good and should exit so its supervisor restarts it."""
+    while not nc.is_closed:
+        await asyncio.sleep(poll)

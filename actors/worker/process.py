@@ -40,7 +40,9 @@ from actors.worker.health import HealthMonitor
 from actors.worker.metrics import engine_metrics
 from actors.worker.status_http import StatusServer, status_bind_host
 from bus import rpc
+from bus.connection import until_closed
 from bus.context import BusContext, open_context
+from bus.tasks import cancel_and_wait
 from supervisors.child import ChildSpec
 from supervisors.process import EXIT_DONE
 from supervisors.sdnotify import Notifier, serve_root
@@ -273,13 +275,22 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
                                                  ctx.subjects.generate_instance(pool_name, instance)])
         await status.start()
     log.info("worker %s: instance %s, pool %s (%s, %s engine)", node, instance, pool_name, pool.role, pool.engine)
+    # a connection closed for good leaves this worker off the bus: exit non-zero, so the root
+    # restarts it, instead of living on unreachable
+    lost = asyncio.create_task(until_closed(ctx.nc), name="bus-closed-watch")
+    lost.add_done_callback(lambda _t: stop.set())
     try:
         code = await serve_root(sup, stop, notifier, shutdown_timeout=sc.shutdown_timeout + pool.sleep.drain_timeout)
     finally:
+        bus_lost = lost.done() and not lost.cancelled()
+        await cancel_and_wait([lost])
         if status is not None:
             await status.stop()
         await service.stop()
         await ctx.close()
+    if bus_lost:
+        log.error("worker %s: its NATS connection was closed for good; exiting so it is restarted", node)
+        return EXIT_FAILED
     return EXIT_OK if code == 0 else EXIT_FAILED
 
 

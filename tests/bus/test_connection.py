@@ -1,0 +1,41 @@
+"""bus.connection's view of outages: settling after a reconnect, waiting for one, a closed connection."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+from bus.connection import connect, settling, until_closed, wait_connected
+from bus.embedded import EmbeddedNats, free_port
+
+
+async def test_settling_after_the_server_comes_back(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Right after a reconnect other processes may not be back yet: 'settling' says so for a window;
+    a connection that never lost its server is not settling."""
+    srv = EmbeddedNats(port=free_port(), store_dir=str(tmp_path / "js"))
+    await srv.start()
+    nc = await connect(srv.url, "settle-test")
+    try:
+        assert not settling(nc)
+        assert srv.pid is not None
+        os.kill(srv.pid, signal.SIGKILL)
+        await asyncio.sleep(0.3)
+        assert settling(nc)  # cut off
+        assert not await wait_connected(nc, 0.2)
+        await srv.start()
+        assert await wait_connected(nc, 20)
+        assert settling(nc)  # back, but the others may still be reconnecting
+        assert not settling(nc, window=0.0)
+    finally:
+        await nc.close()
+        await srv.stop(5.0)
+
+
+async def test_until_closed_returns_when_the_connection_is_closed(nats_server) -> None:  # type: ignore[no-untyped-def]
+    nc = await connect(nats_server.url, "closed-test")
+    waiter = asyncio.ensure_future(until_closed(nc, poll=0.05))
+    await asyncio.sleep(0.2)
+    assert not waiter.done()
+    await nc.close()
+    await asyncio.wait_for(waiter, 2)
