@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import resource
 import threading
 import time
 import urllib.parse
@@ -50,6 +52,37 @@ class Outcome:
     body: bytes
     seconds: float
     error: str = ""  # transport error when status is 0
+
+
+# --- protecting the machine -------------------------------------------------------------------------
+def _children(root: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == root:
+            pids.append(int(entry))
+    return pids
+
+
+def cap_memory(root: int, headroom: int = 2 << 30) -> dict[int, int]:
+    """Soft RLIMIT_AS of a deployment's root process (the frontend runs in it) and of its children
+    (nats-server, workers) = their size now + ``headroom``; what each got. Should a case still make
+    a process allocate without bound, it gets a MemoryError (a 5xx or a restart, which the fuzz
+    reports) instead of the OOM killer choosing a process of this machine. Linux only."""
+    caps = {}
+    for pid in [root, *_children(root)]:
+        with open(f"/proc/{pid}/statm") as f:
+            limit = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + headroom
+        _, hard = resource.prlimit(pid, resource.RLIMIT_AS)
+        resource.prlimit(pid, resource.RLIMIT_AS, (limit, hard))
+        caps[pid] = limit
+    return caps
 
 
 # --- the issue's requests (each must be a 400) -----------------------------------------------------

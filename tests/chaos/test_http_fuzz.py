@@ -12,14 +12,12 @@ this test) instead of the OOM killer picking a process of this machine.
 from __future__ import annotations
 
 import json
-import os
-import resource
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.chaos.http_fuzz import CHAT, draw_cases, run_http_fuzz
+from tests.chaos.http_fuzz import CHAT, cap_memory, draw_cases, run_http_fuzz
 from tests.e2e.conftest import Deployment, boot, chat_body, post, shutdown
 
 pytestmark = [pytest.mark.slow]
@@ -30,40 +28,6 @@ SEED = 20261124
 # cheap valid requests: a short context bounds what "max_tokens absent" (= the context left) costs,
 # and zero compute means no simulated step time
 SETS = ["pools.agg.engine_args.max_model_len=128", "pools.agg.engine_args.speedup_ratio=0"]
-HEADROOM = 2 << 30  # address space each process may add to what it had at boot
-
-
-def _children(root: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == root:
-            pids.append(int(entry))
-    return pids
-
-
-def _vm_size(pid: int) -> int:
-    with open(f"/proc/{pid}/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def cap_memory(d: Deployment) -> dict[int, int]:
-    """RLIMIT_AS (soft) of the root supervisor (the frontend runs in it) and its children = their
-    size now + HEADROOM; what each got."""
-    assert d.proc is not None
-    caps = {}
-    for pid in [d.proc.pid, *_children(d.proc.pid)]:
-        limit = _vm_size(pid) + HEADROOM
-        _, hard = resource.prlimit(pid, resource.RLIMIT_AS)
-        resource.prlimit(pid, resource.RLIMIT_AS, (limit, hard))
-        caps[pid] = limit
-    return caps
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +38,8 @@ def fuzz_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Deplo
         d = boot(tmp_path_factory, "fuzz", "mocker-agg.toml", ready={"agg": 1}, sets=SETS)
         cases = drawn.result()
     try:
-        cap_memory(d)
+        assert d.proc is not None
+        cap_memory(d.proc.pid)
         yield d, cases
     finally:
         shutdown(d)
