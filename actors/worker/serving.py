@@ -187,7 +187,9 @@ class EngineService:
     # --- generate ----------------------------------------------------------------------------------
     def _admit(self, req: GenerateRequest) -> tuple[Any, Any, LoraRef | None, int | None]:
         if self.dead:
-            raise EngineDead("engine dead: not accepting requests")
+            # a refusal, not a death this request coincided with (the frontend counts those to
+            # contain requests of death): the engine died before, and is being restarted
+            raise Overloaded("engine restarting after its death: not accepting requests")
         if not self.accepting:
             raise Overloaded("worker is asleep or stopping: not accepting generate requests")
         facts = self.engine.facts
