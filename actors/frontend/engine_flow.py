@@ -42,7 +42,7 @@ from bus.errors import (
 )
 
 from .discovery import ModelEntry, Worker, WorkerSet
-from .quarantine import DEATHS_TO_QUARANTINE, Quarantine
+from .quarantine import DEATHS_TO_QUARANTINE, Quarantine, fingerprint
 from .routing import Router
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,6 @@ class FlowSpec:
     allow_decode_only: bool = True
     migration_limit: int = 3
     migration_wait: float = 60.0
-    fingerprint: str | None = None  # the request's quarantine key (None: not contained)
 
 
 @dataclass
@@ -134,6 +133,7 @@ class CompletionFlow:
         self.quarantine = deps.quarantine
         self.on_migrate = on_migrate
         self.on_quarantine = on_quarantine
+        self._fp: str | None = None
         self.state = FlowState(prompt_tokens=len(spec.token_ids) if spec.token_ids else 0)
 
     # --- routing helpers ---------------------------------------------------------------------------
@@ -205,14 +205,15 @@ class CompletionFlow:
     # --- the stream ----------------------------------------------------------------------------------
     async def chunks(self) -> AsyncIterator[GenerateChunk]:
         spec, st = self.spec, self.state
-        if spec.fingerprint is not None:
-            self.quarantine.check(spec.fingerprint)
+        self._check_quarantine()
         prefill = await self._prefill() if spec.model.has_prefill_pool else None
         produced: list[int] = []
         produced_text: list[str] = []
         target = spec.target
         err: ActorError | None = None
         while True:
+            if st.migrations:  # an identical request may have been quarantined meanwhile
+                self._check_quarantine()
             if not await self.link.connected():
                 raise BusUnavailable("this frontend is cut off from the bus (reconnecting); try again")
             pool = self._pool("serve")
@@ -228,7 +229,7 @@ class CompletionFlow:
                                    request_id=req.request_id)
             call = self.link.stream(worker, req)
             first = True
-            answered = False  # the worker took the request (a chunk or heartbeat came back)
+            answered = False  # the worker took the request (a chunk, a heartbeat or an error came back)
             try:
                 async for chunk in call:
                     answered = True
@@ -271,6 +272,18 @@ class CompletionFlow:
             if self.on_migrate is not None:
                 self.on_migrate()
 
+    def _fingerprint(self) -> str:
+        """The quarantine key, computed only when a quarantine exists or a death happened (hashing
+        the prompt is not free, and almost every request meets neither)."""
+        if self._fp is None:
+            s = self.spec
+            self._fp = fingerprint(s.model.name, s.lora, s.token_ids, s.prompt, s.sampling)
+        return self._fp
+
+    def _check_quarantine(self) -> None:
+        if self.quarantine:
+            self.quarantine.check(self._fingerprint())
+
     async def _judge(self, worker: Worker, err: ActorError, answered: bool) -> None:
         """After a failed attempt: exclude the worker from this request unless it is alive and the
         failure was the bus's, and count its death if it died while serving the request. Raises
@@ -295,10 +308,10 @@ class CompletionFlow:
         if not died:
             return
         st.deaths.append(worker.instance)
-        if len(st.deaths) >= DEATHS_TO_QUARANTINE and self.spec.fingerprint is not None:
+        if len(st.deaths) >= DEATHS_TO_QUARANTINE:
             if self.on_quarantine is not None:
                 self.on_quarantine()
-            raise self.quarantine.add(self.spec.fingerprint, self.spec.request_id, st.deaths)
+            raise self.quarantine.add(self._fingerprint(), self.spec.request_id, st.deaths)
 
     def _forgive_restarted(self, pool: list[Worker]) -> None:
         """An instance that failed this request but has since restarted (in place, same id, new

@@ -44,7 +44,7 @@ class QuarantinedRequest(BadRequest):
 def fingerprint(model: str, lora: str | None, token_ids: Sequence[int] | None, prompt: str | None,
                 sampling: SamplingOptions) -> str:
     """What makes two requests the same to an engine. ``seed`` is left out: the copies of an ``n>1``
-    request differ only in it, and a crash on one is a crash on all."""
+    request differ only in it (seed+i), and a crash on one is a crash on all."""
     body = _enc.encode((model, lora, list(token_ids) if token_ids is not None else None, prompt,
                         msgspec.structs.replace(sampling, seed=None)))
     return xxhash.xxh3_128_hexdigest(body)
@@ -56,6 +56,9 @@ class Quarantine:
         self.max_entries = max_entries
         self._until: dict[str, float] = {}  # fingerprint -> monotonic expiry
         self.total = 0
+
+    def __len__(self) -> int:
+        return len(self._until)
 
     def check(self, fp: str) -> None:
         """Raise QuarantinedRequest while ``fp`` is quarantined."""

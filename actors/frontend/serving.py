@@ -23,7 +23,6 @@ from .engine_flow import CompletionFlow, FlowDeps, FlowSpec
 from .limits import card_limits, check_fan_out, check_prompt, check_sampling
 from .openai_io import OutputOptions, new_id, requested_max_tokens, to_sampling
 from .preprocess import Preprocessor
-from .quarantine import fingerprint
 
 
 @dataclass
@@ -178,15 +177,11 @@ class Choice:
 
 def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decode_only: bool,
                   migration_limit: int, on_migrate: Callable[[], None] | None = None,
-                  on_quarantine: Callable[[], None] | None = None, migration_wait: float = 60.0,
-                  contain: bool = True) -> list[Choice]:
-    """One flow per (prompt, n). ``contain``: give each a quarantine fingerprint (the copies of one
-    prompt share it, so a poison prompt is refused for all of them)."""
+                  on_quarantine: Callable[[], None] | None = None, migration_wait: float = 60.0) -> list[Choice]:
     choices = []
     idx = 0
     for p, (ids, text) in enumerate(plan.prompts):
         base = plan.sampling[p]
-        fp = fingerprint(plan.entry.name, plan.lora, ids, text, base) if contain else None
         for j in range(plan.n):
             so = base
             if plan.n > 1 and base.seed is not None:
@@ -194,7 +189,7 @@ def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decod
             spec = FlowSpec(model=plan.entry, request_id=f"{plan.request_id}-{idx}", sampling=so,
                             token_ids=ids, prompt=text, lora=plan.lora, target=target,
                             allow_decode_only=allow_decode_only, migration_limit=migration_limit,
-                            migration_wait=migration_wait, fingerprint=fp)
+                            migration_wait=migration_wait)
             choices.append(Choice(idx, CompletionFlow(spec, deps, on_migrate, on_quarantine), plan, ids))
             idx += 1
     return choices
