@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import time
 from typing import Any
 
@@ -16,9 +18,11 @@ from openai import AsyncOpenAI
 
 from actors.frontend.app import PREFILL_HEADER, WORKER_HEADER
 from actors.worker.contract import LoraRecord
+from bus.context import open_context
+from bus.embedded import EmbeddedNats, free_port
 from bus.registry import Registry
 from supervisors.topology import ModelConfig
-from tests.frontend.conftest import ScriptedWorker
+from tests.frontend.conftest import Deployment, ScriptedWorker
 from tests.helpers import openai_client
 
 MODEL = "tiny"
@@ -292,3 +296,34 @@ async def test_one_death_is_retried_once(deploy: Any, text_ids: list[int]) -> No
     r = await client(deploy).completions.create(model=MODEL, prompt=[4, 4], max_tokens=8,
                                                 extra_headers={WORKER_HEADER: deploy.workers[0].instance})
     assert r.usage.completion_tokens == 8 and healthy.requests
+
+
+async def test_request_while_the_bus_is_down_is_a_503_with_retry_after(tmp_path: Any, tiny_dir: str,
+                                                                      text_ids: list[int]) -> None:
+    """The frontend's nats-server is gone (and stays gone): a request waits at most the stall
+    timeout for the reconnect, then gets 503 + Retry-After; it does not hang."""
+    srv = EmbeddedNats(port=free_port(), store_dir=str(tmp_path / "js"))
+    await srv.start()
+    bus = await open_context(srv.url, namespace="busdown", host="testhost", name="test-busdown")
+    d = Deployment(bus, tiny_dir, text_ids)
+    try:
+        await d.worker(delay=0.01)
+        await d.start_frontend()  # stall_timeout 1 s
+        await d.wait_ready(1)
+        assert srv.pid is not None
+        os.kill(srv.pid, signal.SIGKILL)
+        await until(lambda: not bus.nc.is_connected)
+        async with aiohttp.ClientSession() as http:
+            t0 = time.monotonic()
+            async with http.post(d.url + "/v1/completions",
+                                 json={"model": MODEL, "prompt": [1, 2], "max_tokens": 4}) as resp:
+                body = await resp.json()
+            assert time.monotonic() - t0 < 10
+        assert resp.status == 503 and resp.headers["Retry-After"], body
+        assert "cut off from the bus" in body["error"]["message"]
+    finally:
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(d.stop(), 10)
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(bus.nc.close(), 5)
+        await srv.stop(5.0)
