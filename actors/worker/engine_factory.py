@@ -76,11 +76,12 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port:
     args: dict[str, Any] = dict(pool.engine_args)
     if model is not None and model.context_length is not None:
         args.setdefault("max_model_len", model.context_length)
-    if pool.role != "decode" and kv_events_port is None:
-        kv_events_port = free_port()
     if pool.role == "decode":
         kv_events_port = None
     if pool.engine == "mocker":
+        # no port picked here: the mocker binds its publisher and replay sockets to ports the
+        # kernel chooses (a port picked free beforehand can be taken by the time it binds, and
+        # its replay socket's base+1 was never checked at all)
         from actors.engines.mocker import MockerEngine
 
         if model is not None and "vocab_size" not in args:
@@ -93,6 +94,9 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port:
                                 "kv_events_port": kv_events_port, "seed": seed})
         return MockerEngine(args, **kw)
     from actors.engines.vllm_engine import VllmEngine
+
+    if pool.role != "decode" and kv_events_port is None:
+        kv_events_port = free_port()  # vLLM takes its KV-event endpoints from its config
 
     if model is not None:  # the mocker takes no model path: it has no weights
         args.setdefault("model", model.path)
