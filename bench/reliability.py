@@ -202,7 +202,8 @@ def markdown(res: dict[str, Any], command: str) -> str:
         f"| request of death (kills every worker it reaches), sent twice, 8 ordinary requests beside it "
         f"| ≤ 2 worker restarts; the deployment keeps serving | {rod['worker_restarts']} restarts; first "
         f"{rod['first']['status']}, again {rod['again']['status']}; ordinary "
-        f"{sorted(set(rod['ordinary_statuses']))}; served after: {rod['served_after']} |",
+        f"{rod['ordinary_statuses'].count(200)}×200, {rod['bystanders_failed']} bystanders failed with it; "
+        f"a new request after: {rod['served_after']} |",
         f"| {sl.get('connections', 0)} slow clients (nothing, or a header line every 5 s) "
         f"| closed within the header timeout (10 s) | {sl.get('closed')} closed, longest "
         f"{sl.get('max_closed_after_s')} s; statuses {sl.get('statuses')}; request meanwhile: "

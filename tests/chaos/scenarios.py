@@ -202,8 +202,11 @@ async def worker_kill_under_streams(d: Any, *, streams: int = 32, max_tokens: in
 
 async def request_of_death(d: Any, *, poison: list[int], others: int = 8) -> dict[str, Any]:
     """A request that kills every worker it reaches (the mocker's ``poison_token_id``), sent twice,
-    with ordinary requests around it. The first must fail with a 500 after at most 2 worker deaths,
-    the second be refused with a 4xx without reaching a worker; the deployment keeps serving."""
+    with ``others`` ordinary requests (distinct prompts) around it. The first must fail with a 500
+    after at most 2 worker deaths, the second be refused with a 4xx without reaching a worker; the
+    deployment keeps serving. An ordinary request that shared both dying workers with the poison
+    saw the same two deaths and is failed and quarantined too (a bystander: from the frontend the
+    two are indistinguishable); each is counted, and must carry the quarantine message."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         before = await root_children(d.bus_url, d.namespace)
 
@@ -211,16 +214,21 @@ async def request_of_death(d: Any, *, poison: list[int], others: int = 8) -> dic
             async with s.post(f"{d.url}/v1/completions", json=body) as r:
                 return r.status, await r.json(content_type=None)
 
-        ordinary = {"model": MODEL, "prompt": "an ordinary request", "max_tokens": 8}
+        def ordinary(i: int | str) -> dict[str, Any]:
+            return {"model": MODEL, "prompt": f"an ordinary request number {i}", "max_tokens": 8}
+
         bad = {"model": MODEL, "prompt": poison, "max_tokens": 8}
-        first, *around = await asyncio.gather(post(bad), *(post(ordinary) for _ in range(others)))
+        first, *around = await asyncio.gather(post(bad), *(post(ordinary(i)) for i in range(others)))
         second = await post(bad)
         await wait_ready(d.url, 90)
-        served_after = await post(ordinary)
+        served_after = await post(ordinary("after"))
         after = await root_children(d.bus_url, d.namespace)
+    bystanders = [body.get("error", {}).get("message", "") for code, body in around if code != 200]
     return {"first": {"status": first[0], "error": first[1].get("error", {}).get("message")},
             "again": {"status": second[0], "error": second[1].get("error", {}).get("message")},
             "ordinary_statuses": sorted(code for code, _ in around),
+            "bystanders_failed": len(bystanders),
+            "bystander_errors": bystanders[:3],
             "served_after": served_after[0],
             "worker_restarts": restarts(after) - restarts(before),
             "deployment_running": d.proc.poll() is None}
