@@ -15,12 +15,15 @@ class ActorError(Exception):
 
     code: int = 500
     kind: str = "internal_error"
+    param: str | None = None  # the request field at fault, when one is (OpenAI error bodies name it)
 
-    def __init__(self, message: str, code: int | None = None) -> None:
+    def __init__(self, message: str, code: int | None = None, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         if code is not None:
             self.code = code
+        if param is not None:
+            self.param = param
 
     def __str__(self) -> str:
         return self.message

@@ -36,21 +36,15 @@ def _bad(e: LimitError, chat: bool) -> BadRequest:
     param = e.param
     if chat and param == "logprobs":
         param = "top_logprobs"  # what a chat client set (its "logprobs" is only a switch)
-    err = BadRequest(str(e))
-    err.param = param  # type: ignore[attr-defined]
-    return err
+    return BadRequest(str(e), param=param)
 
 
 def check_fan_out(n: int, prompts: int) -> None:
     if n < 1 or n > MAX_N:
-        err = BadRequest(f"n must be between 1 and {MAX_N}")
-        err.param = "n"  # type: ignore[attr-defined]
-        raise err
+        raise BadRequest(f"n must be between 1 and {MAX_N}", param="n")
     if prompts * n > MAX_CHOICES:
-        err = BadRequest(f"{prompts} prompts x n={n} would start {prompts * n} completions; at most "
-                         f"{MAX_CHOICES} per request")
-        err.param = "prompt" if n == 1 else "n"  # type: ignore[attr-defined]
-        raise err
+        raise BadRequest(f"{prompts} prompts x n={n} would start {prompts * n} completions; at most "
+                         f"{MAX_CHOICES} per request", param="prompt" if n == 1 else "n")
 
 
 def check_prompt(ids: list[int], limits: Limits, chat: bool) -> None:

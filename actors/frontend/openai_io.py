@@ -47,12 +47,10 @@ def _bad_from(e: Exception) -> BadRequest:
         first = errs[0] if errs else {}
         loc = ".".join(str(p) for p in first.get("loc", ()))
         msg = first.get("msg", str(e))
-        err = BadRequest(f"{loc}: {msg}" if loc else msg)
-        err.param = str(first.get("loc", [None])[0]) if first.get("loc") else None  # type: ignore[attr-defined]
-        return err
-    err = BadRequest(str(getattr(e, "args", [e])[0]) if getattr(e, "args", None) else str(e))
-    err.param = getattr(e, "parameter", None)  # type: ignore[attr-defined]
-    return err
+        return BadRequest(f"{loc}: {msg}" if loc else msg,
+                          param=str(first["loc"][0]) if first.get("loc") else None)
+    return BadRequest(str(getattr(e, "args", [e])[0]) if getattr(e, "args", None) else str(e),
+                      param=getattr(e, "parameter", None))
 
 
 # Fields vLLM's "before" model validators read before pydantic has checked their types: each one
@@ -72,9 +70,7 @@ def _early_read_error(body: bytes) -> BadRequest | None:
         return None
     for name, types in _READ_EARLY.items():
         if name in data and not isinstance(data[name], types):
-            err = BadRequest(f"{name}: Input should be {_TYPE_WORDS[types[0]]}")
-            err.param = name  # type: ignore[attr-defined]
-            return err
+            return BadRequest(f"{name}: Input should be {_TYPE_WORDS[types[0]]}", param=name)
     return None
 
 
@@ -136,9 +132,7 @@ def to_sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
                                       choice=so.choice, grammar=so.grammar)
     if sp.allowed_token_ids is not None and not sp.allowed_token_ids:
         # vLLM's engine refuses it; dropped here as "unset", it would sample from the whole vocabulary
-        err = BadRequest("allowed_token_ids is not None and empty!")
-        err.param = "allowed_token_ids"  # type: ignore[attr-defined]
-        raise err
+        raise BadRequest("allowed_token_ids is not None and empty!", param="allowed_token_ids")
     extra: dict[str, Any] = {}
     for name in _EXTRA_FIELDS:
         v = getattr(sp, name, None)
@@ -164,7 +158,7 @@ def to_sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
 # --- errors -----------------------------------------------------------------------------------------
 def error_body(err: ActorError) -> bytes:
     return encode_json({"error": {"message": err.message, "type": err.kind,
-                                  "param": getattr(err, "param", None), "code": err.code}})
+                                  "param": err.param, "code": err.code}})
 
 
 # --- ids, usage -------------------------------------------------------------------------------------

@@ -62,9 +62,7 @@ def resolve(workers: WorkerSet, name: str | None, expected: frozenset[str] = fro
     if found is None:
         if name in expected or workers.known_model(name):
             raise NotReady(f"model {name} is not ready yet: no worker can serve it now (see /health)")
-        err = NotFound(f"The model `{name}` does not exist.")
-        err.param = "model"  # type: ignore[attr-defined]
-        raise err
+        raise NotFound(f"The model `{name}` does not exist.", param="model")
     return found[0], found[1], name
 
 

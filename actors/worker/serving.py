@@ -285,9 +285,7 @@ class EngineService:
             n = _prompt_len_in(message)
             if n is not None:
                 raise BadRequest(context_length_message(self.max_model_len, n, sampling.max_tokens)) from None
-            err = BadRequest(message)
-            err.param = getattr(e, "param", None) or getattr(e, "parameter", None)  # type: ignore[attr-defined]
-            raise err from None
+            raise BadRequest(message, param=getattr(e, "param", None) or getattr(e, "parameter", None)) from None
         finally:
             self._active.pop(rid, None)
             self._last_activity = time.monotonic()

@@ -42,12 +42,6 @@ def check_context(max_len: int, prompt_tokens: int, max_tokens: int) -> None:
         raise BadRequest(context_length_message(max_len, prompt_tokens, max_tokens))
 
 
-def bad_request(e: LimitError) -> BadRequest:
-    err = BadRequest(str(e))
-    err.param = e.param  # type: ignore[attr-defined]
-    return err
-
-
 def check_sampling(s: SamplingOptions, facts: ModelFacts) -> None:
     """The request's own consistency, then the model's limits (the same checks as the frontend's,
     for clients that talk to a worker over NATS)."""
@@ -67,7 +61,7 @@ def check_sampling(s: SamplingOptions, facts: ModelFacts) -> None:
     try:
         check_sampling_limits(s, Limits.of(facts))
     except LimitError as e:
-        raise bad_request(e) from None
+        raise BadRequest(str(e), param=e.param) from None
 
 
 def decode_prompt_embeds(data: str, hidden_size: int | None) -> Any:
@@ -110,7 +104,7 @@ def build_prompt(req: GenerateRequest, facts: ModelFacts, embeds_enabled: bool) 
         try:
             check_prompt_ids(req.token_ids, Limits.of(facts), "token_ids")
         except LimitError as e:
-            raise bad_request(e) from None
+            raise BadRequest(str(e), param=e.param) from None
         return TokensPrompt(token_ids=list(req.token_ids)), len(req.token_ids)
     if req.prompt is not None:
         if not req.prompt:
