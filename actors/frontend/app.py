@@ -28,6 +28,7 @@ from .engine_flow import FlowDeps, WorkerLink
 from .http_guard import read_body
 from .metrics import FrontendMetrics
 from .openai_io import (
+    RETRY_AFTER_S,
     SSE_DONE,
     ChunkFramer,
     chat_logprobs,
@@ -58,10 +59,6 @@ class Unauthorized(ActorError):
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=encode_json(obj), status=status, content_type=_JSON, headers=headers)
-
-
-# A 503 is always temporary here (starting, restarting, no worker free): say when to try again.
-RETRY_AFTER_S = "1"
 
 
 def error_response(err: ActorError) -> web.Response:

@@ -24,6 +24,20 @@ from .engine_flow import Liveness
 log = logging.getLogger(__name__)
 
 
+async def ask(bus: BusContext, instance: str, timeout: float) -> Liveness:
+    """One question to an instance's ``stats`` verb. "No responders" (NATS answers it at once when
+    nobody subscribes) is a verdict only once this process's bus has settled after a reconnect; a
+    timeout never is."""
+    try:
+        await rpc.request(bus.nc, bus.subjects.worker(instance, C.VERB_STATS), {}, timeout=timeout)
+        return Liveness.ALIVE
+    except Unavailable:
+        return Liveness.UNKNOWN if settling(bus.nc) else Liveness.DEAD
+    except Exception as e:  # noqa: BLE001 - busy, or reconnecting: no verdict
+        log.debug("asking %s: %s", instance, e)
+        return Liveness.UNKNOWN
+
+
 class WorkerClient:
     """The bus side of ``engine_flow.WorkerLink``."""
 
@@ -45,22 +59,12 @@ class WorkerClient:
         """Is ``worker``'s process still on the bus? Asked after an attempt failed, to tell a worker
         that died from a stream the bus lost. Right after a bus restart the worker may not have
         reconnected yet: "no responders" is then asked again until the bus has settled."""
-        nc = self.bus.nc
-        subject = self.bus.subjects.worker(worker.instance, C.VERB_STATS)
         loop = asyncio.get_running_loop()
         end = loop.time() + self.stall_timeout
         while True:
-            if not await wait_connected(nc, max(0.0, end - loop.time())):
+            if not await wait_connected(self.bus.nc, max(0.0, end - loop.time())):
                 return Liveness.UNKNOWN
-            try:
-                await rpc.request(nc, subject, {}, timeout=self.probe_timeout)
-                return Liveness.ALIVE
-            except Unavailable:
-                if not settling(nc):
-                    return Liveness.DEAD
-            except Exception as e:  # noqa: BLE001 - a timeout is not a verdict
-                log.debug("liveness of %s: %s", worker.instance, e)
-                return Liveness.UNKNOWN
-            if loop.time() >= end:
-                return Liveness.UNKNOWN
+            verdict = await ask(self.bus, worker.instance, self.probe_timeout)
+            if verdict is not Liveness.UNKNOWN or not settling(self.bus.nc) or loop.time() >= end:
+                return verdict
             await asyncio.sleep(0.2)

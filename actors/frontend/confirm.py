@@ -19,15 +19,13 @@ import asyncio
 import contextlib
 import logging
 
-from actors.worker import contract as C
-from bus import rpc
-from bus.connection import settling
 from bus.context import BusContext
-from bus.errors import Unavailable
 from bus.registry import Registry
 from bus.tasks import cancel_and_wait
 
+from .client import ask
 from .discovery import WorkerSet
+from .engine_flow import Liveness
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +74,12 @@ class InstanceConfirmer:
                 rec = self.workers.record(key)
                 if rec is None:
                     return
-                answered = await self._answers(rec)
-                if answered:
+                answered = await ask(self.bus, rec.instance, self.timeout)
+                if answered is Liveness.ALIVE:
                     self.workers.confirm(key, rec.started_at)
                     log.debug("instance %s confirmed on the bus", rec.instance)
                     continue  # done, unless a newer incarnation arrived meanwhile: probe that one
-                if answered is False:
+                if answered is Liveness.DEAD:
                     misses += 1
                     log.info("instance %s in the registry does not answer on the bus (%d/%d): not routed",
                              rec.instance, misses, self.purge_after)
@@ -93,20 +91,6 @@ class InstanceConfirmer:
             if self._probing.get(key) is asyncio.current_task():
                 del self._probing[key]
 
-    async def _answers(self, rec: C.InstanceRecord) -> bool | None:
-        """Ask the instance itself (its stats verb): True if it answered, False if no process is
-        there to answer (a verdict), None if unsure (busy, reconnecting: ask again later)."""
-        try:
-            await rpc.request(self.bus.nc, self.bus.subjects.worker(rec.instance, C.VERB_STATS), {},
-                              timeout=self.timeout)
-        except Unavailable:
-            # right after a bus restart the instance may simply not have reconnected yet
-            return None if settling(self.bus.nc) else False
-        except Exception as e:  # noqa: BLE001 - a timeout or a reconnect is not a verdict
-            log.debug("asking %s: %s", rec.instance, e)
-            return None
-        return True
-
     async def _recheck_loop(self) -> None:
         while True:
             await asyncio.sleep(self.recheck)
@@ -116,7 +100,7 @@ class InstanceConfirmer:
         rec = self.workers.record(key)
         if rec is None:
             return
-        if await self._answers(rec) is False and self.workers.record(key) is rec:
+        if await ask(self.bus, rec.instance, self.timeout) is Liveness.DEAD and self.workers.record(key) is rec:
             log.warning("instance %s stopped answering on the bus; not routed until it answers again",
                         rec.instance)
             self.workers.unconfirm(key)

@@ -295,10 +295,11 @@ class CompletionFlow:
             died = False
         else:
             verdict = await self.link.liveness(worker)
-            if verdict is Liveness.ALIVE and not (isinstance(err, StreamStalled)
-                                                  and not isinstance(err, ResponderGone)):
-                # the process answers and did not stall: the bus lost the stream (a restart, a gap),
-                # or the worker dropped it taking us for gone. It may serve the rest.
+            # silent for the whole stall timeout while its process lives on: a stuck engine
+            stuck = isinstance(err, StreamStalled) and not isinstance(err, ResponderGone)
+            if verdict is Liveness.ALIVE and not stuck:
+                # the bus lost the stream (a restart, a gap), or the worker dropped it taking us
+                # for gone: it may serve the rest
                 return
             # "no responders" to the request itself, before any answer: it never reached a live
             # worker (a record that outlived its process), so no death coincided with it

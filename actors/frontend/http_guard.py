@@ -53,7 +53,7 @@ from bus.errors import ActorError, BadRequest, ClientTimeout, Overloaded
 from supervisors.topology import FrontendConfig
 
 from .metrics import FrontendMetrics
-from .openai_io import error_body
+from .openai_io import RETRY_AFTER_S, error_body
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +61,6 @@ log = logging.getLogger(__name__)
 # it is closed, and how long aiohttp drains a body a handler left unread (its default is 10 s, which a
 # client trickling the rest of a body would get to hold a slot for).
 LINGER_S = 2.0
-# A full server frees connections as requests finish; a second is the same hint app.py gives for 503.
-RETRY_AFTER_S = "1"
 # Parser messages quote the client's bytes (up to a whole 8 KiB line): keep the error body short.
 _MESSAGE_CHARS = 200
 _JSON = "application/json"

@@ -156,6 +156,11 @@ def to_sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
 
 
 # --- errors -----------------------------------------------------------------------------------------
+# A 503 is always temporary here (starting, restarting, no worker free, no connection slot free):
+# every one says when to try again.
+RETRY_AFTER_S = "1"
+
+
 def error_body(err: ActorError) -> bytes:
     return encode_json({"error": {"message": err.message, "type": err.kind,
                                   "param": err.param, "code": err.code}})
