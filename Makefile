@@ -36,7 +36,7 @@ test-fast: install
 	$(PY) -m pytest -q -m "not vllm"
 
 lint: install
-	$(VENV)/bin/ruff check actors bus supervisors tests bench
+	$(VENV)/bin/ruff check actors bus supervisors config deploy tests bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -21,8 +21,8 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
-from bus.secrets import password, token
-from supervisors.topology import BusConfig, BusTLS
+from config.secrets import password, token
+from config.topology import BusConfig, BusTLS
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from nats.js import JetStreamContext
 
 from bus.connection import connect
 from bus.subjects import Subjects, inbox_prefix
-from supervisors.topology import BusConfig
+from config.topology import BusConfig
 
 
 @dataclass

@@ -183,7 +183,7 @@ class EmbeddedNats:
                  extra_args: list[str] | None = None,
                  write_config: Callable[[str], None] | None = None) -> None:
         """``write_config(path)`` writes the server's config file (auth, TLS: see
-        ``supervisors.nats_conf``); default: ``server_config()`` alone (no auth)."""
+        ``deploy.nats_conf``); default: ``server_config()`` alone (no auth)."""
         self.name = name
         self.write_config = write_config
         self.host = host

@@ -5,9 +5,16 @@ boundary (``bus.rpc``), so code outside ``bus/`` never imports ``nats``.
 
 Recoverable errors concern one request (the caller may retry elsewhere); fatal errors concern the
 actor itself (its supervisor should restart it), mirroring vLLM's EngineGenerateError/EngineDeadError.
+
+An error crosses the bus as its text, code and ``kind`` (``bus.wire``). A class declared with
+``wire=True`` is rebuilt from its (kind, code) on the caller's side; the layers above declare their
+own (``actors.engines.errors.EngineDead``), so this module knows nothing of engines or supervisors.
 """
 
 from __future__ import annotations
+
+# (kind, code) -> the class a caller rebuilds: filled by ``wire=True`` subclasses as they are defined
+_WIRE_CLASSES: dict[tuple[str, int], type[ActorError]] = {}
 
 
 class ActorError(Exception):
@@ -16,6 +23,14 @@ class ActorError(Exception):
     code: int = 500
     kind: str = "internal_error"
     param: str | None = None  # the request field at fault, when one is (OpenAI error bodies name it)
+
+    def __init_subclass__(cls, *, wire: bool = False, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if wire:
+            key = (cls.kind, cls.code)
+            if key in _WIRE_CLASSES:
+                raise TypeError(f"{cls.__name__}: {key} is already {_WIRE_CLASSES[key].__name__} on the wire")
+            _WIRE_CLASSES[key] = cls
 
     def __init__(self, message: str, code: int | None = None, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -38,24 +53,24 @@ class FatalError(ActorError):
 
 
 # --- request-level -------------------------------------------------------------------------------
-class BadRequest(RecoverableError):
+class BadRequest(RecoverableError, wire=True):
     code = 400
     kind = "invalid_request_error"
 
 
-class Forbidden(RecoverableError):
+class Forbidden(RecoverableError, wire=True):
     """The request is well formed but this deployment does not allow it (an allow-list refused it)."""
 
     code = 403
     kind = "permission_error"
 
 
-class NotFound(RecoverableError):
+class NotFound(RecoverableError, wire=True):
     code = 404
     kind = "not_found_error"
 
 
-class PayloadTooLarge(RecoverableError):
+class PayloadTooLarge(RecoverableError, wire=True):
     code = 413
     kind = "invalid_request_error"
 
@@ -68,12 +83,12 @@ class ClientTimeout(RecoverableError):
     kind = "timeout"
 
 
-class Conflict(RecoverableError):
+class Conflict(RecoverableError, wire=True):
     code = 409
     kind = "conflict_error"
 
 
-class Overloaded(RecoverableError):
+class Overloaded(RecoverableError, wire=True):
     """Admission refused (queue full, no capacity)."""
 
     code = 503
@@ -119,27 +134,14 @@ class RemoteError(RecoverableError):
             self.kind = kind
 
 
-# --- actor/engine-level ----------------------------------------------------------------------------
-class EngineDead(FatalError):
-    """The engine died (vLLM EngineDeadError or an injected fault); the supervisor restarts it."""
-
-    code = 503
-    kind = "engine_dead"
-
-
-class Escalation(FatalError):
-    """A supervisor gave up (restart intensity exceeded) and passes the failure to its parent."""
-
-
-def error_from_code(message: str, code: int) -> ActorError:
-    """Rebuild a typed error from a Nats-Service-Error-Code on the caller side."""
-    table: dict[int, type[ActorError]] = {400: BadRequest, 403: Forbidden, 404: NotFound, 409: Conflict,
-                                          413: PayloadTooLarge}
-    cls = table.get(code)
+def error_from_wire(message: str, code: int, kind: str | None = None) -> ActorError:
+    """Rebuild a typed error from a reply's Nats-Service-Error, -Code and Error-Kind headers: the
+    class declared for that (kind, code), else the code's request-level class, else RemoteError."""
+    cls = _WIRE_CLASSES.get((kind, code)) if kind else None
+    if cls is None:
+        table: dict[int, type[ActorError]] = {400: BadRequest, 403: Forbidden, 404: NotFound, 409: Conflict,
+                                              413: PayloadTooLarge, 503: Overloaded}
+        cls = table.get(code)
     if cls is not None:
         return cls(message)
-    if code == 503 and message.startswith("engine dead"):
-        return EngineDead(message)
-    if code == 503:
-        return Overloaded(message)
-    return RemoteError(message, code)
+    return RemoteError(message, code, kind)

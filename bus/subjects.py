@@ -6,7 +6,7 @@ Nothing else in the code base concatenates subject strings.
 
 from __future__ import annotations
 
-import re
+from config.names import check_token
 
 # --- headers ------------------------------------------------------------------------------------
 CONTENT_TYPE = "Content-Type"
@@ -24,20 +24,11 @@ GONE = "gone"
 CANCEL_SUBJECT = "Cancel-Subject"
 SERVICE_ERROR = "Nats-Service-Error"
 SERVICE_ERROR_CODE = "Nats-Service-Error-Code"
+ERROR_KIND = "Error-Kind"  # our own: the error's kind, so the caller rebuilds its class (bus.errors)
 # Which instance produced a response (for routing visibility).
 INSTANCE_ID = "Instance-Id"
 # Stall bound the caller will apply; the worker heartbeats at a fraction of it.
 STALL_TIMEOUT = "Stall-Timeout"
-
-_TOKEN = re.compile(r"^[A-Za-z0-9_\-]+$")
-
-
-def check_token(part: str) -> str:
-    """A subject token: no dots, spaces or wildcards (they would change the subject's meaning)."""
-    if not _TOKEN.match(part):
-        raise ValueError(f"invalid subject token {part!r}: use letters, digits, '_' and '-'")
-    return part
-
 
 class Subjects:
     """Subjects of one namespace."""

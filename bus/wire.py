@@ -1,5 +1,6 @@
 """Wire helpers shared by the unary and streaming RPC: payload (de)coding with cached typed
-decoders, and the ADR-32 error headers (``Nats-Service-Error`` / ``-Code``) in both directions."""
+decoders, and the ADR-32 error headers (``Nats-Service-Error`` / ``-Code``, plus our ``Error-Kind``) in both
+directions."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import msgspec
 
 from bus import codec
 from bus import subjects as S
-from bus.errors import ActorError, Unavailable, error_from_code
+from bus.errors import ActorError, Unavailable, error_from_wire
 
 STATUS = "Status"  # nats-py puts the server's inline status (e.g. 503 no responders) here
 NO_RESPONDERS = "503"
@@ -62,7 +63,8 @@ def bounded_text(text: str, limit: int = MAX_ERROR_TEXT) -> str:
 
 
 def error_headers(err: ActorError, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    h = {S.SERVICE_ERROR: bounded_text(err.message or type(err).__name__), S.SERVICE_ERROR_CODE: str(err.code)}
+    h = {S.SERVICE_ERROR: bounded_text(err.message or type(err).__name__), S.SERVICE_ERROR_CODE: str(err.code),
+         S.ERROR_KIND: err.kind}
     if extra:
         h.update(extra)
     return h
@@ -80,4 +82,4 @@ def raise_if_error(headers: Mapping[str, str] | None) -> None:
             code = int(headers.get(S.SERVICE_ERROR_CODE, "500"))
         except ValueError:
             code = 500
-        raise error_from_code(desc or "remote error", code)
+        raise error_from_wire(desc or "remote error", code, headers.get(S.ERROR_KIND))

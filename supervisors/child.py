@@ -10,7 +10,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from bus.errors import FatalError
+
 Restart = Literal["permanent", "transient", "temporary"]
+
+
+class Escalation(FatalError):
+    """A supervisor gave up (restart intensity exceeded) and passes the failure to its parent."""
 
 
 class NormalExit(Exception):  # noqa: N818 - an outcome, not an error

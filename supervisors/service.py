@@ -7,7 +7,7 @@ JSON in, JSON out, no headers needed, so an operator can drive it with plain ``n
     nats req dynamo.supervisor.local.spawn '{"pool": "agg"}'
 
 ``spawn`` names a pool of the topology (and optionally a replica index), never a command: only a
-root supervisor given a ``spawner`` (``supervisors.workers.PoolSpawner``) adds children, and only
+root supervisor given a ``spawner`` (``deploy.pools.PoolSpawner``) adds children, and only
 the ones its topology describes. Logic stays in ``Supervisor``; this module decodes, calls, replies.
 """
 

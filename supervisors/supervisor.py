@@ -21,9 +21,9 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from bus.errors import Conflict, Escalation, NotFound, Unavailable
+from bus.errors import Conflict, NotFound, Unavailable
 from supervisors.backoff import Backoff
-from supervisors.child import Child, ChildSpec, NormalExit
+from supervisors.child import Child, ChildSpec, Escalation, NormalExit
 from supervisors.slot import Slot as Slot
 from supervisors.slot import describe
 from supervisors.slot import giveup_timeout as giveup_timeout

@@ -186,7 +186,7 @@ def make_operator(dirpath: Any) -> dict[str, str]:
 async def bus_admits(url: str, auth: Any, tls: Any = None) -> bool:
     """Whether a nats-server at ``url`` admits a client with ``auth`` (a BusAuth) and ``tls`` (a BusTLS)."""
     from bus.connection import connect
-    from supervisors.topology import BusConfig
+    from config.topology import BusConfig
 
     try:
         nc = await connect(BusConfig(url=url, auth=auth, tls=tls), "auth-probe", initial_attempts=1)

@@ -14,7 +14,7 @@ import logging
 import signal
 
 from bus.context import open_context
-from supervisors.topology import BusAuth, BusConfig, FrontendConfig, ModelConfig
+from config.topology import BusAuth, BusConfig, FrontendConfig, ModelConfig
 
 from .actor import FrontendActor
 

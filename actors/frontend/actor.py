@@ -20,7 +20,7 @@ from bus import rpc
 from bus.context import BusContext
 from bus.registry import Registry
 from bus.tasks import cancel_and_wait
-from supervisors.topology import FrontendConfig, ModelConfig, PoolConfig
+from config.topology import FrontendConfig, ModelConfig, PoolConfig
 
 from .app import FrontendApp
 from .client import WorkerClient

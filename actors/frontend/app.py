@@ -19,9 +19,9 @@ from typing import Any
 from aiohttp import web
 
 from actors.worker.contract import GenerateChunk
-from bus import secrets
 from bus.errors import ActorError, BadRequest, NotFound, PayloadTooLarge
-from supervisors.topology import FrontendConfig, ModelConfig
+from config import secrets
+from config.topology import FrontendConfig, ModelConfig
 
 from .discovery import ModelEntry, WorkerSet
 from .engine_flow import FlowDeps, WorkerLink

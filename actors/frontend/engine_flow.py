@@ -30,10 +30,9 @@ from typing import Any, Protocol
 import msgspec
 
 from actors.engines.protocol import SamplingOptions
-from actors.worker.contract import GenerateChunk, GenerateRequest, PrefillResult
+from actors.worker.contract import EngineDead, GenerateChunk, GenerateRequest, PrefillResult
 from bus.errors import (
     ActorError,
-    EngineDead,
     Overloaded,
     ResponderGone,
     StreamStalled,

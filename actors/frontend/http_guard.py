@@ -50,7 +50,7 @@ from aiohttp import web
 from aiohttp.http import HttpProcessingError
 
 from bus.errors import ActorError, BadRequest, ClientTimeout, Overloaded
-from supervisors.topology import FrontendConfig
+from config.topology import FrontendConfig
 
 from .metrics import FrontendMetrics
 from .openai_io import RETRY_AFTER_S, error_body

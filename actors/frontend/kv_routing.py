@@ -21,7 +21,7 @@ from actors.router.kv_router import KvRouter
 from actors.router.metrics import RouterMetrics
 from bus.context import BusContext
 from bus.tasks import cancel_and_wait
-from supervisors.topology import FrontendConfig
+from config.topology import FrontendConfig
 
 from .discovery import Worker, WorkerSet
 from .routing import _candidates

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.worker.contract import InstanceRecord
-from supervisors.workers import worker_child_id
+from config.workers import worker_child_id
 
 from .discovery import WorkerSet
 

@@ -34,6 +34,13 @@ import xxhash
 from prometheus_client import CollectorRegistry, Counter
 
 from actors.engines.identity_lora import IDENTITY_LORA_NAME
+from actors.engines.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ExternalBlockHash,
+    KVEventBatch,
+)
 from actors.kv import hashing
 from actors.kv.contract import (
     CLEARED,
@@ -43,13 +50,6 @@ from actors.kv.contract import (
     KvSnapshot,
     RouterKvEvent,
     StoredBlock,
-)
-from actors.kv.vllm_events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    ExternalBlockHash,
-    KVEventBatch,
 )
 
 log = logging.getLogger(__name__)

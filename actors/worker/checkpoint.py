@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 from actors.engines.protocol import Engine
-from supervisors.topology import CheckpointConfig
+from config.topology import CheckpointConfig
 
 log = logging.getLogger(__name__)
 

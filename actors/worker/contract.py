@@ -11,6 +11,15 @@ from typing import Any, Literal
 import msgspec
 
 from actors.engines.protocol import EngineOutput, KvEventSource, SamplingOptions
+from bus.errors import FatalError
+
+
+class EngineDead(FatalError, wire=True):
+    """The worker's engine died (vLLM EngineDeadError or an injected fault); its supervisor restarts
+    it. Declared for the wire: a caller that imports this contract gets EngineDead back, not a 503."""
+
+    code = 503
+    kind = "engine_dead"
 
 
 class PrefillResult(msgspec.Struct, kw_only=True, omit_defaults=True):

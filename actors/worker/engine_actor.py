@@ -29,6 +29,7 @@ from actors.engines.protocol import Engine
 from actors.worker import contract as C
 from actors.worker.contract import (
     ClearKvBlocksRequest,
+    EngineDead,
     EngineKvSources,
     EngineLoraAdd,
     EngineLoraList,
@@ -48,12 +49,12 @@ from actors.worker.serving import EngineService
 from actors.worker.sleep import SleepController
 from bus import codec, rpc
 from bus import subjects as S
-from bus.errors import BadRequest, EngineDead, NotFound
+from bus.errors import BadRequest, NotFound
 from bus.registry import Registry
 from bus.rpc import respond
 from bus.stream_responder import StreamCancels
 from bus.tasks import cancel_and_wait
-from supervisors.topology import ModelConfig, PoolConfig
+from config.topology import ModelConfig, PoolConfig
 
 log = logging.getLogger(__name__)
 

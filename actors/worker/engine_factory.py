@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.engines.protocol import Engine
-from supervisors.topology import ModelConfig, PoolConfig
+from config.topology import ModelConfig, PoolConfig
 
 log = logging.getLogger(__name__)
 

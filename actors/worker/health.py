@@ -19,12 +19,12 @@ from typing import Any
 from actors.base import Actor, Endpoint
 from actors.engines.protocol import SamplingOptions
 from actors.worker import contract as C
-from actors.worker.contract import GenerateChunk, GenerateRequest, HealthReply, LivenessReply
+from actors.worker.contract import EngineDead, GenerateChunk, GenerateRequest, HealthReply, LivenessReply
 from bus import rpc
 from bus.context import BusContext
-from bus.errors import ActorError, EngineDead, Overloaded, RequestTimeout, StreamStalled, TransportError
+from bus.errors import ActorError, Overloaded, RequestTimeout, StreamStalled, TransportError
 from bus.tasks import cancel_and_wait
-from supervisors.topology import HealthConfig
+from config.topology import HealthConfig
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from bus import rpc
 from bus.context import BusContext
 from bus.errors import RemoteError
 from bus.registry import Registry
+from config.topology import LoraConfig
 from supervisors.child import ChildSpec
-from supervisors.topology import LoraConfig
 
 if TYPE_CHECKING:
     from actors.worker.process import WorkerEnv

@@ -43,14 +43,14 @@ from bus import rpc
 from bus.connection import until_closed
 from bus.context import BusContext, open_context
 from bus.tasks import cancel_and_wait
+from config.loader import load_topology
+from config.topology import PoolConfig, Topology
+from config.workers import MAX_REPLICA, overrides_from_env, worker_bus, worker_child_id
 from supervisors.child import ChildSpec
 from supervisors.process import EXIT_DONE
 from supervisors.sdnotify import Notifier, serve_root
 from supervisors.service import SupervisorService
 from supervisors.supervisor import Supervisor
-from supervisors.topology import PoolConfig, Topology
-from supervisors.topology_loader import load_topology
-from supervisors.workers import MAX_REPLICA, overrides_from_env, worker_bus, worker_child_id
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ ChildFactory = Callable[[WorkerEnv], ChildSpec | None]
 # restart restarts them too), in this order. Each module opts in by defining
 # ``worker_child(env: WorkerEnv) -> ChildSpec | None`` (None: not for this pool, e.g. no KV publisher
 # on decode workers); a module that does not exist yet, or has no such function, is skipped.
-ENGINE_DEPENDANT_MODULES = ("actors.kv.publisher", "actors.worker.lora_actor")
+ENGINE_DEPENDANT_MODULES = ("actors.worker.kv_publisher", "actors.worker.lora_actor")
 # Factories added programmatically (tests, embedding applications) after the modules above.
 ENGINE_DEPENDANTS: list[ChildFactory] = []
 

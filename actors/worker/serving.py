@@ -20,6 +20,7 @@ from typing import Any
 from actors.engines.protocol import Engine, EngineDeadError, LoraRef
 from actors.worker.contract import (
     DisaggregatedParams,
+    EngineDead,
     EngineLoraAdd,
     GenerateChunk,
     GenerateRequest,
@@ -37,8 +38,8 @@ from actors.worker.validation import (
     kv_params_for,
     role_sampling,
 )
-from bus.errors import ActorError, BadRequest, Conflict, EngineDead, NotFound, Overloaded, Unavailable
-from supervisors.topology import ModelConfig, PoolConfig
+from bus.errors import ActorError, BadRequest, Conflict, NotFound, Overloaded, Unavailable
+from config.topology import ModelConfig, PoolConfig
 
 log = logging.getLogger(__name__)
 

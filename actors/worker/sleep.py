@@ -20,7 +20,7 @@ from typing import Protocol
 from actors.engines.protocol import Engine
 from actors.worker.contract import SleepRequest, StatusReply
 from bus.tasks import cancel_and_wait
-from supervisors.topology import SleepConfig
+from config.topology import SleepConfig
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from supervisors.topology import FrontendConfig, PoolConfig
+from config.topology import FrontendConfig, PoolConfig
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The deployment's own nats-server admits exactly what the topology's ``bus`` section says, for each
-auth kind (real nats-server, config rendered by ``supervisors.nats_conf``): the configured
+auth kind (real nats-server, config rendered by ``deploy.nats_conf``): the configured
 credentials connect, anonymous and wrong ones are refused."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from bus.embedded import EmbeddedNats, free_port
-from supervisors import nats_conf
-from supervisors.topology import BusAuth, BusConfig, BusTLS
+from config.topology import BusAuth, BusConfig, BusTLS
+from deploy import nats_conf
 from tests.helpers import bus_admits, make_certs, make_nkey, make_operator
 
 

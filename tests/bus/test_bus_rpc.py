@@ -5,13 +5,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from actors.worker.contract import EngineDead
 from bus import codec
 from bus.connection import backoff_delay, connect_options
 from bus.context import BusContext
 from bus.embedded import nats_server_binary
-from bus.errors import BadRequest, EngineDead, NotFound, Overloaded, RemoteError, RequestTimeout, Unavailable
+from bus.errors import BadRequest, NotFound, Overloaded, RemoteError, RequestTimeout, Unavailable
 from bus.rpc import request, respond
-from supervisors.topology import BusAuth, BusConfig
+from config.topology import BusAuth, BusConfig
 
 
 class Ping(msgspec.Struct):

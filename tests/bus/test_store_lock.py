@@ -14,10 +14,10 @@ import pytest
 
 from bus.connection import connect
 from bus.embedded import EmbeddedNats, StoreInUse, free_port
+from config.loader import load_topology
+from deploy.tree import plan_host
 from supervisors.child import ChildSpec
 from supervisors.supervisor import Supervisor
-from supervisors.topology_loader import load_topology
-from supervisors.tree import plan_host
 from tests.helpers import eventually
 
 ROOT = Path(__file__).resolve().parents[2]

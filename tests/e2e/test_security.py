@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import nats
 import pytest
 
-from supervisors.topology import BusAuth, BusTLS
+from config.topology import BusAuth, BusTLS
 from tests.e2e.conftest import Deployment, chat_body, http_json, post
 from tests.helpers import bus_admits, listening_hosts, make_certs, make_nkey, make_operator
 

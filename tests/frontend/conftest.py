@@ -26,7 +26,7 @@ from actors.models.tiny import ensure_tiny_model
 from actors.worker.contract import DisaggregatedParams, GenerateChunk, GenerateRequest, ModelCard, Usage
 from bus.context import BusContext
 from bus.registry import Registry
-from supervisors.topology import FrontendConfig, ModelConfig
+from config.topology import FrontendConfig, ModelConfig
 
 MODEL = "tiny"
 CONTEXT = 1024

@@ -21,7 +21,7 @@ from actors.worker.contract import LoraRecord
 from bus.context import open_context
 from bus.embedded import EmbeddedNats, free_port
 from bus.registry import Registry
-from supervisors.topology import ModelConfig
+from config.topology import ModelConfig
 from tests.frontend.conftest import Deployment, ScriptedWorker
 from tests.helpers import openai_client
 

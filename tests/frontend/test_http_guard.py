@@ -19,7 +19,7 @@ import pytest
 import uvloop
 
 from actors.frontend.http_guard import LINGER_S
-from supervisors.topology_loader import TopologyError, topology_from_dict
+from config.loader import TopologyError, topology_from_dict
 
 
 @pytest.fixture(scope="module", params=["uvloop", "asyncio"])

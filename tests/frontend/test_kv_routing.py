@@ -14,10 +14,10 @@ from actors.base import Actor
 from actors.engines.mocker import MockerEngine
 from actors.frontend.actor import FrontendActor
 from actors.frontend.app import WORKER_HEADER
-from actors.kv.publisher import KvPublisherActor
 from actors.worker.engine_actor import EngineActor
+from actors.worker.kv_publisher import KvPublisherActor
 from bus.context import BusContext
-from supervisors.topology import FrontendConfig, ModelConfig, PoolConfig
+from config.topology import FrontendConfig, ModelConfig, PoolConfig
 from tests.helpers import openai_client
 
 MODEL = ModelConfig(name="tiny", path="tiny")

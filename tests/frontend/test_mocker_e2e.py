@@ -13,7 +13,7 @@ from actors.frontend.actor import FrontendActor
 from actors.frontend.app import WORKER_HEADER
 from actors.worker.engine_actor import EngineActor
 from bus.context import BusContext
-from supervisors.topology import FrontendConfig, ModelConfig, PoolConfig
+from config.topology import FrontendConfig, ModelConfig, PoolConfig
 from tests.helpers import openai_client
 
 MODEL = ModelConfig(name="tiny", path="tiny")

@@ -8,7 +8,7 @@ import pytest
 
 from actors.engines.protocol import SamplingOptions
 from actors.frontend.quarantine import PoisonRequest, Quarantine, QuarantinedRequest, fingerprint
-from supervisors.topology_loader import TopologyError, topology_from_dict
+from config.loader import TopologyError, topology_from_dict
 
 
 def fp(**kw: object) -> str:

@@ -25,7 +25,7 @@ from actors.worker.engine_actor import EngineActor
 from actors.worker.engine_factory import build_engine
 from bus.context import open_context
 from bus.embedded import EmbeddedNats
-from supervisors.topology import FrontendConfig, ModelConfig, PoolConfig
+from config.topology import FrontendConfig, ModelConfig, PoolConfig
 from tests.helpers import openai_client
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),

@@ -3,7 +3,7 @@
 import msgspec
 import pytest
 
-from actors.kv import vllm_events as ve
+from actors.engines import kv_events as ve
 
 
 def _raw_vllm_payload() -> bytes:
@@ -64,6 +64,7 @@ def test_malformed_payload_raises():
 
 def test_mocker_uses_these_structs():
     """The mocker publishes with this module's Structs, so it cannot drift from the decoder."""
-    mk = pytest.importorskip("actors.engines.mocker.kv_events")
-    assert (mk.BlockStored, mk.BlockRemoved, mk.AllBlocksCleared, mk.KVEventBatch) == \
+    pool = pytest.importorskip("actors.engines.mocker.kv_pool")  # makes the events
+    mk = pytest.importorskip("actors.engines.mocker.kv_events")  # batches and sends them
+    assert (pool.BlockStored, pool.BlockRemoved, pool.AllBlocksCleared, mk.KVEventBatch) == \
         (ve.BlockStored, ve.BlockRemoved, ve.AllBlocksCleared, ve.KVEventBatch)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from actors.kv import vllm_events as ve
+from actors.engines import kv_events as ve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 kv = pytest.importorskip("vllm.distributed.kv_events")

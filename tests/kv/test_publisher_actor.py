@@ -14,12 +14,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from actors.engines.kv_events import KVEventBatch, encode_message, stored
 from actors.engines.mocker import MockerEngine
 from actors.engines.protocol import KvEventSource, SamplingOptions, TokensPrompt
 from actors.kv import hashing
 from actors.kv.contract import KvDumpReply, KvRangeReply, RouterKvEvent, decode_event
-from actors.kv.publisher import KvPublisherActor
-from actors.kv.vllm_events import KVEventBatch, encode_message, stored
+from actors.worker.kv_publisher import KvPublisherActor
 from bus import subjects as S
 from bus.context import BusContext
 from bus.registry import Registry

@@ -6,8 +6,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.engines import kv_events as ve
 from actors.kv import hashing
-from actors.kv import vllm_events as ve
 from actors.kv.contract import RouterKvEvent, StoredBlock
 from actors.kv.translate import KvPublisherMetrics, KvTranslator
 from actors.router import ApproxIndex, KvIndex, KvRouter, RouterConfig, RouterMetrics

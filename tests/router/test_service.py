@@ -14,13 +14,13 @@ from actors.engines.mocker import MockerEngine
 from actors.engines.protocol import SamplingOptions, TokensPrompt
 from actors.frontend.actor import FrontendActor
 from actors.kv import hashing
-from actors.kv.publisher import KvPublisherActor
 from actors.router.kv_router import KvRouter
 from actors.router.service import NOT_READY
 from actors.worker.engine_actor import EngineActor
+from actors.worker.kv_publisher import KvPublisherActor
 from bus import subjects as S
 from bus.context import BusContext
-from supervisors.topology import FrontendConfig, ModelConfig, PoolConfig
+from config.topology import FrontendConfig, ModelConfig, PoolConfig
 from tests.helpers import eventually
 
 BS = 4

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from bus.errors import Escalation, Unavailable
+from bus.errors import Unavailable
+from config.loader import TopologyError, topology_from_dict
+from deploy.tree import describe_plan, plan_host
 from supervisors.backoff import Backoff
-from supervisors.child import ChildSpec
+from supervisors.child import ChildSpec, Escalation
 from supervisors.process import ProcessChild
 from supervisors.supervisor import Supervisor
-from supervisors.topology_loader import TopologyError, topology_from_dict
-from supervisors.tree import describe_plan, plan_host
 from tests.helpers import alive, eventually
 
 FAST = Backoff(initial=0.01, max=0.05, multiplier=2.0, jitter=0.0)

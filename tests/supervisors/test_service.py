@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from bus.errors import BadRequest, Conflict, Escalation, NotFound
+from bus.errors import BadRequest, Conflict, NotFound
 from bus.rpc import request
 from supervisors.backoff import Backoff
-from supervisors.child import ChildSpec
+from supervisors.child import ChildSpec, Escalation
 from supervisors.process import ProcessChild
 from supervisors.service import serve_supervisor
 from supervisors.supervisor import Supervisor

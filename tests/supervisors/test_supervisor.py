@@ -10,9 +10,9 @@ from collections.abc import Callable
 
 import pytest
 
-from bus.errors import Conflict, Escalation, NotFound, Unavailable
+from bus.errors import Conflict, NotFound, Unavailable
 from supervisors.backoff import Backoff
-from supervisors.child import ChildSpec
+from supervisors.child import ChildSpec, Escalation
 from supervisors.supervisor import Supervisor
 
 FAST = Backoff(initial=0.01, max=0.05, multiplier=2.0, jitter=0.0)

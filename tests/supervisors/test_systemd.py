@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisors.systemd import emit_units, quote_arg
-from supervisors.topology_loader import load_topology, topology_from_dict
+from config.loader import load_topology, topology_from_dict
+from deploy.systemd import emit_units, quote_arg
 
 ROOT = Path(__file__).resolve().parents[2]
 ECHO = ROOT / "topologies" / "echo.toml"
@@ -96,7 +96,7 @@ def test_nats_unit_enforces_the_topology_auth(tmp_path: Path) -> None:
 
     from bus.connection import connect
     from bus.embedded import free_port
-    from supervisors.topology import BusAuth, BusConfig
+    from config.topology import BusAuth, BusConfig
 
     token = tmp_path / "token"
     token.write_text("unit-token\n")

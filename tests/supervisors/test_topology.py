@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisors.topology_loader import (
+from config.loader import (
     TopologyError,
     load_topology,
     parse_override,

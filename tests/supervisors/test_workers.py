@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from bus.errors import BadRequest, Conflict, NotFound
-from supervisors.topology import BusConfig, PoolConfig, Topology
-from supervisors.workers import OVERRIDES_ENV, PoolSpawner, overrides_from_env, worker_spec
+from config.topology import BusConfig, PoolConfig, Topology
+from config.workers import OVERRIDES_ENV, overrides_from_env
+from deploy.pools import PoolSpawner, worker_spec
 
 
 def _topology() -> Topology:
@@ -59,8 +60,8 @@ def test_pool_spawner_names_a_pool_of_this_host() -> None:
 
 
 def test_workers_connect_with_worker_auth() -> None:
-    from supervisors.topology import BusAuth
-    from supervisors.workers import worker_bus
+    from config.topology import BusAuth
+    from config.workers import worker_bus
 
     t = _topology()
     assert worker_bus(t) is t.bus  # no worker user: the deployment's own

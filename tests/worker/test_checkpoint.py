@@ -18,9 +18,9 @@ from actors.worker.checkpoint import READY, RESTORE_DONE, SNAPSHOT_DONE, Checkpo
 from actors.worker.process import EXIT_OK, EXIT_SNAPSHOT_DONE, default_engine_factory, run_worker
 from bus.context import open_context
 from bus.registry import Registry
+from config.loader import load_topology
+from config.topology import Topology
 from supervisors.sdnotify import Notifier
-from supervisors.topology import Topology
-from supervisors.topology_loader import load_topology
 from tests.worker.test_worker_children import engine_instance, generate, write
 
 

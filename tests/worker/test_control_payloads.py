@@ -26,7 +26,7 @@ from bus import subjects as S
 from bus.context import BusContext
 from bus.registry import Registry
 from bus.stream import stream_request
-from supervisors.topology import LoraConfig
+from config.topology import LoraConfig
 from tests.worker.test_engine_actor import actor_for, gen_req
 
 # Refused by every strict verb, whatever its fields: (payload, what the error message must say).

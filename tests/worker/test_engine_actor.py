@@ -16,16 +16,23 @@ import pytest
 from actors.engines.mocker import MockerEngine
 from actors.engines.protocol import SamplingOptions
 from actors.worker import contract as C
-from actors.worker.contract import GenerateChunk, GenerateRequest, InstanceRecord, LoadReport, ModelCard
+from actors.worker.contract import (
+    EngineDead,
+    GenerateChunk,
+    GenerateRequest,
+    InstanceRecord,
+    LoadReport,
+    ModelCard,
+)
 from actors.worker.engine_actor import EngineActor
 from bus import subjects as S
 from bus.context import BusContext
-from bus.errors import BadRequest, EngineDead, NotFound, Overloaded, Unavailable
+from bus.errors import BadRequest, NotFound, Overloaded, Unavailable
 from bus.registry import Registry
 from bus.stream import stream_request
+from config.topology import ModelConfig, PoolConfig
 from supervisors.child import ChildSpec
 from supervisors.supervisor import Supervisor
-from supervisors.topology import ModelConfig, PoolConfig
 
 ARGS = {"speedup_ratio": "inf", "max_model_len": 512, "enable_lora": True, "max_loras": 2, "block_size": 16}
 MODEL = ModelConfig(name="mock-model", path="mock")
@@ -309,7 +316,7 @@ async def test_registers_only_after_the_engine_answered_its_probe(bus: BusContex
     """Ready means serving: an engine that hangs (check_health still passes) never reaches the
     registry; its start fails so the supervisor retries it. A healthy one is registered only after
     a token came back through its own generate subject."""
-    from supervisors.topology import HealthConfig
+    from config.topology import HealthConfig
 
     pool = PoolConfig(engine="mocker", health=HealthConfig(timeout=1.0))
 

@@ -18,17 +18,17 @@ import pytest
 import pytest_asyncio
 
 from actors.engines.protocol import SamplingOptions
-from actors.worker.contract import GenerateChunk, GenerateRequest
+from actors.worker.contract import EngineDead, GenerateChunk, GenerateRequest
 from actors.worker.engine_actor import EngineActor
 from actors.worker.engine_factory import build_engine
 from bus.context import BusContext, open_context
 from bus.embedded import EmbeddedNats
-from bus.errors import BadRequest, EngineDead
+from bus.errors import BadRequest
 from bus.registry import Registry
 from bus.stream import stream_request
+from config.topology import ModelConfig, PoolConfig
 from supervisors.child import ChildSpec
 from supervisors.supervisor import Supervisor
-from supervisors.topology import ModelConfig, PoolConfig
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]

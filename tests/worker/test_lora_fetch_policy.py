@@ -23,7 +23,7 @@ from actors.worker.lora_source import FetchPolicy, url_allowed, url_refusal
 from bus import rpc
 from bus.context import open_context
 from bus.errors import Forbidden, PayloadTooLarge, RemoteError, RequestTimeout
-from supervisors.topology import LoraConfig
+from config.topology import LoraConfig
 
 CONFIG = b'{"peft_type": "LORA", "r": 8}'
 WEIGHTS = b"weights"
@@ -502,7 +502,7 @@ async def test_retries_on_5xx_still_happen_within_the_policy(servers: Servers, t
 # --- over NATS, on a real (mocker) worker --------------------------------------------------------------
 async def test_refusal_over_nats_is_a_typed_403(nats_server, servers: Servers, tmp_path: Path) -> None:
     from actors.worker.process import run_worker
-    from supervisors.topology_loader import load_topology
+    from config.loader import load_topology
     from tests.worker.test_worker_children import engine_instance, write
 
     raw = await servers.listener()

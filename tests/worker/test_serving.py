@@ -14,6 +14,7 @@ import pytest
 from actors.engines.mocker import MockerEngine
 from actors.engines.protocol import SamplingOptions
 from actors.worker.contract import (
+    EngineDead,
     EngineLoraAdd,
     GenerateChunk,
     GenerateRequest,
@@ -26,8 +27,8 @@ from actors.worker.metrics import WorkerMetrics, load_reports
 from actors.worker.serving import EngineService
 from actors.worker.sleep import SleepController
 from actors.worker.validation import context_length_message
-from bus.errors import BadRequest, EngineDead, NotFound, Overloaded, Unavailable
-from supervisors.topology import HealthConfig, ModelConfig, PoolConfig, SleepConfig
+from bus.errors import BadRequest, NotFound, Overloaded, Unavailable
+from config.topology import HealthConfig, ModelConfig, PoolConfig, SleepConfig
 
 FAST = {"speedup_ratio": "inf", "max_model_len": 256, "enable_lora": True, "max_loras": 2}
 
@@ -431,7 +432,7 @@ async def test_health_checker_uses_traffic_as_liveness() -> None:
 def test_engine_env_spreads_cores_and_nixl_ports() -> None:
     from actors.worker.engine_factory import engine_env
     from actors.worker.process import cpu_slot
-    from supervisors.topology_loader import topology_from_dict
+    from config.loader import topology_from_dict
 
     t = topology_from_dict({"model": {"name": "m", "path": "tiny"}, "pools": {
         "prefill": {"role": "prefill", "replicas": 2, "env": {"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"}},

@@ -8,7 +8,7 @@ import pytest
 
 from actors.worker.metrics import WorkerMetrics
 from actors.worker.status_http import StatusServer, status_bind_host
-from supervisors.topology import FrontendConfig, PoolConfig
+from config.topology import FrontendConfig, PoolConfig
 from tests.helpers import listening_hosts
 
 

@@ -14,7 +14,7 @@ from actors.worker.metrics import WorkerMetrics, engine_metrics
 from actors.worker.serving import EngineService
 from actors.worker.sleep import SleepController
 from actors.worker.status_http import StatusServer
-from supervisors.topology import ModelConfig, PoolConfig, SleepConfig
+from config.topology import ModelConfig, PoolConfig, SleepConfig
 
 
 async def test_health_is_503_until_ready_then_200() -> None:

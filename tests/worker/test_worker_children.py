@@ -23,7 +23,7 @@ from bus.context import open_context
 from bus.errors import BadRequest, NotFound
 from bus.registry import Registry
 from bus.stream import stream_request
-from supervisors.topology_loader import load_topology
+from config.loader import load_topology
 from tests.worker.test_worker_process import write_topology
 
 FAST_RESTART = '[pools.agg.supervisor]\nstrategy = "rest_for_one"\nbackoff = { initial = 0.05, max = 0.2 }\n'

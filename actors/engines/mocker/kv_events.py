@@ -1,6 +1,6 @@
 """KV-cache events in exactly vLLM's ZMQ wire format, without importing vLLM (an 11 s import).
 
-The event Structs (from ``actors.kv.vllm_events``) are field-for-field copies of
+The event Structs (from ``actors.engines.kv_events``) are field-for-field copies of
 ``vllm.distributed.kv_events`` (vllm 0.32): same class names (msgspec uses the class name as the
 tag value under the ``"type"`` key), same field names and order, ``omit_defaults`` on events,
 ``array_like`` batches. A subscriber decoding
@@ -26,24 +26,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from actors.kv.vllm_events import (  # noqa: F401 - re-exported for the mocker and its tests
-    MEDIUM_GPU,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    ExternalBlockHash,
-    KVEventBatch,
-    VllmKvEvent,
-    decode_batch,
-)
+from actors.engines.kv_events import KVEventBatch, VllmKvEvent
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
-# The event Structs are actors.kv.vllm_events' (the one local, byte-checked copy of vLLM's classes):
+# The event Structs are actors.engines.kv_events' (the one local, byte-checked copy of vLLM's classes):
 # the KV publisher decodes with the same module, so the mocker cannot drift from the decoder.
-KVEvent = VllmKvEvent
 
 
 class ZmqKvEventPublisher:
@@ -98,7 +88,7 @@ class ZmqKvEventPublisher:
     def next_seq(self) -> int:
         return self._seq
 
-    def publish(self, events: list[KVEvent]) -> None:
+    def publish(self, events: list[VllmKvEvent]) -> None:
         """Send one batch (one engine step). Empty lists send nothing, like vLLM."""
         if not events or self._closed:
             return

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from actors.engines.mocker.kv_events import (
+from actors.engines.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    KVEvent,
+    VllmKvEvent,
 )
 
 
@@ -34,7 +34,7 @@ class BlockPool:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # hash -> block id
-        self.events: list[KVEvent] = []
+        self.events: list[VllmKvEvent] = []
 
     # --- queries ---------------------------------------------------------------------------
     @property
@@ -132,6 +132,6 @@ class BlockPool:
             self.events.append(AllBlocksCleared())
         return True
 
-    def take_events(self) -> list[KVEvent]:
+    def take_events(self) -> list[VllmKvEvent]:
         ev, self.events = self.events, []
         return ev

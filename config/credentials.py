@@ -1,5 +1,5 @@
 """Semantic checks of the topology's credential and TLS settings (``bus.auth``, ``bus.worker_auth``,
-``bus.server_config``, ``bus.tls``, the frontend's API key), for ``supervisors.topology_loader``.
+``bus.server_config``, ``bus.tls``, the frontend's API key), for ``config.loader``.
 
 Secrets are read here, at load time: a missing file or unset variable is a usage error naming the
 setting (exit 2), not a start that fails later and is retried until the supervisor gives up.
@@ -11,8 +11,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from bus import secrets
-from supervisors.topology import BusAuth, BusConfig, FrontendConfig
+from config import secrets
+from config.topology import BusAuth, BusConfig, FrontendConfig
 
 Fail = Callable[[str, str], Any]  # (key path, problem) -> raises TopologyError
 

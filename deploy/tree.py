@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from supervisors import nats_conf
+from config.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
+from config.workers import bus_url, embeds_nats
+from deploy import nats_conf
+from deploy.pools import worker_spec
 from supervisors.child import Child, ChildSpec
-from supervisors.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
-from supervisors.workers import bus_url, embeds_nats, worker_spec
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 One actor per worker process, next to the engine actor. Per DP rank it
 
-* SUBscribes to the engine's ZMQ PUB socket (vLLM wire format, actors.kv.vllm_events);
+* SUBscribes to the engine's ZMQ PUB socket (vLLM wire format, actors.engines.kv_events);
 * catches up through the engine's replay ROUTER from seq 0 at start: vLLM's PUB drops everything
   published before a subscriber connects (and before its subscription propagates), and a publisher
   restarted after the engine would otherwise start mid-stream with orphaned continuations;
@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from actors.base import Actor, Endpoint
+from actors.engines.kv_events import decode_batch, is_replay_end, replay_request
 from actors.engines.protocol import KvEventSource
 from actors.kv.contract import (
     KvDumpReply,
@@ -40,13 +41,13 @@ from actors.kv.contract import (
     encode_event,
 )
 from actors.kv.translate import KvPublisherMetrics, KvTranslator
-from actors.kv.vllm_events import decode_batch, is_replay_end, replay_request
 from actors.worker import contract as C
 from bus import rpc
 from bus import subjects as S
 from bus.context import BusContext
 from bus.errors import NotFound
 from bus.tasks import cancel_and_wait
+from config.names import check_token
 from supervisors.child import ChildSpec, LazyChild
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class KvPublisherActor(Actor):
                  sources: Sequence[KvEventSource], *, ring_size: int = 10_000,
                  metrics: KvPublisherMetrics | None = None, replay_timeout: float = 2.0,
                  idle_probe: float = 2.0, instance: str | None = None, register: bool = True) -> None:
-        super().__init__(bus, instance=instance or f"{S.check_token(worker_instance)}-kvpub", role=role,
+        super().__init__(bus, instance=instance or f"{check_token(worker_instance)}-kvpub", role=role,
                          model=model, register=register)
         self.worker_instance = worker_instance
         self.block_size = block_size

@@ -15,7 +15,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from supervisors.topology import Topology
+from config.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def emit_units(topology: Topology, topology_path: str | Path, out_dir: str | Pat
     python = os.path.abspath(python)
     written: list[Path] = []
     if topology.bus.url is None:
-        from supervisors import nats_conf
+        from deploy import nats_conf
 
         conf = out.resolve() / nats_conf_name(topology)
         # what the embedded server would run with: auth, TLS, an included users file (mode 0600:

@@ -12,7 +12,7 @@ class SecretError(ValueError):
     """A secret named by the topology cannot be read (missing file, empty file, unset variable)."""
 
 
-class _Auth(Protocol):  # supervisors.topology.BusAuth, without importing the topology here
+class _Auth(Protocol):  # config.topology.BusAuth, without importing the topology here
     token: str | None
     token_file: str | None
     token_env: str | None

@@ -5,49 +5,20 @@ Why no command ever comes from a message: whoever reaches the bus would run what
 deployment's user. A spawn names a pool of the topology; the command is built here from the
 topology file this process was started with, exactly as at start-up.
 
-``--set`` overrides travel to the worker in the environment (``OVERRIDES_ENV``), not on its
-command line: they may carry secrets (``bus.auth.password=...``), and any local user can read
-another process's command line, while its environment is readable by its owner alone.
+``--set`` overrides travel to the worker in its environment (``config.workers.OVERRIDES_ENV``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Collection
 from pathlib import Path
 
-import msgspec
-
 from bus.errors import BadRequest, Conflict, NotFound
+from config.topology import PoolConfig, Topology
+from config.workers import MAX_REPLICA, OVERRIDES_ENV, bus_url, embeds_nats, worker_child_id
 from supervisors.child import Child, ChildSpec
-from supervisors.topology import BusConfig, PoolConfig, Topology
-
-OVERRIDES_ENV = "VLLM_ACTORS_SET"  # JSON list of "key.path=value" overrides for a worker process
-MAX_REPLICA = 1023  # replica indices a spawn may ask for (ports and names are derived from them)
-
-
-def embeds_nats(t: Topology) -> bool:
-    return t.bus.url is None
-
-
-def bus_url(t: Topology) -> str:
-    return t.bus.url or f"nats://127.0.0.1:{t.bus.port}"
-
-
-def worker_bus(t: Topology) -> BusConfig:
-    """What a worker process connects with: ``bus.worker_auth`` when the topology gives workers a
-    user of their own (per-role permissions), else the deployment's ``bus.auth``."""
-    if t.bus.worker_auth is None:
-        return t.bus
-    return msgspec.structs.replace(t.bus, auth=t.bus.worker_auth)
-
-
-def worker_child_id(pool: str, replica: int) -> str:
-    """The root's child id of a worker process (also the worker supervisor's name, and what the
-    frontend's readiness looks up in the children views)."""
-    return f"worker-{pool}-{replica}"
 
 
 def worker_argv(topology_path: str | Path, pool: str, replica: int) -> list[str]:
@@ -64,17 +35,6 @@ def worker_overrides(t: Topology, overrides: list[str]) -> list[str]:
 
 def worker_env(t: Topology, pool: PoolConfig, overrides: list[str]) -> dict[str, str]:
     return {**pool.env, OVERRIDES_ENV: json.dumps(worker_overrides(t, overrides))}
-
-
-def overrides_from_env(env: dict[str, str] | None = None) -> list[str]:
-    """The overrides a worker was given by its supervisor (empty when started by hand)."""
-    raw = (env if env is not None else os.environ).get(OVERRIDES_ENV)
-    if not raw:
-        return []
-    value = json.loads(raw)
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ValueError(f"{OVERRIDES_ENV} must be a JSON list of strings")
-    return value
 
 
 def worker_spec(t: Topology, name: str, replica: int, topology_path: str | Path,

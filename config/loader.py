@@ -18,9 +18,9 @@ from typing import Any
 
 import msgspec
 
-from bus.subjects import check_token
-from supervisors.credential_checks import check_api_key, check_bus
-from supervisors.topology import PoolConfig, Topology
+from config.credentials import check_api_key, check_bus
+from config.names import check_token
+from config.topology import PoolConfig, Topology
 
 _BUS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")

@@ -22,8 +22,8 @@ import os
 from pathlib import Path
 
 from bus.embedded import MAX_PAYLOAD, server_config
-from bus.secrets import SecretError, password, read_secret_file, token
-from supervisors.topology import BusAuth, BusConfig
+from config.secrets import SecretError, password, read_secret_file, token
+from config.topology import BusAuth, BusConfig
 
 
 def nkey_public(seed_path: str) -> str:

@@ -1,4 +1,4 @@
-"""Topology file schema (TOML). The loader is ``supervisors.topology_loader``.
+"""Topology file schema (TOML). The loader is ``config.loader``.
 
 Structs forbid unknown fields so a typo is an error naming the key path, not a silent default.
 """

@@ -1,0 +1,52 @@
+"""How a worker process is named and configured: facts the spawner (``deploy.pools``), the worker
+process itself (``actors.worker.process``) and the frontend's readiness all derive from the topology.
+
+``--set`` overrides travel to the worker in the environment (``OVERRIDES_ENV``), not on its
+command line: they may carry secrets (``bus.auth.password=...``), and any local user can read
+another process's command line, while its environment is readable by its owner alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import msgspec
+
+from config.topology import BusConfig, Topology
+
+OVERRIDES_ENV = "VLLM_ACTORS_SET"  # JSON list of "key.path=value" overrides for a worker process
+MAX_REPLICA = 1023  # replica indices a spawn may ask for (ports and names are derived from them)
+
+
+def embeds_nats(t: Topology) -> bool:
+    return t.bus.url is None
+
+
+def bus_url(t: Topology) -> str:
+    return t.bus.url or f"nats://127.0.0.1:{t.bus.port}"
+
+
+def worker_bus(t: Topology) -> BusConfig:
+    """What a worker process connects with: ``bus.worker_auth`` when the topology gives workers a
+    user of their own (per-role permissions), else the deployment's ``bus.auth``."""
+    if t.bus.worker_auth is None:
+        return t.bus
+    return msgspec.structs.replace(t.bus, auth=t.bus.worker_auth)
+
+
+def worker_child_id(pool: str, replica: int) -> str:
+    """The root's child id of a worker process (also the worker supervisor's name, and what the
+    frontend's readiness looks up in the children views)."""
+    return f"worker-{pool}-{replica}"
+
+
+def overrides_from_env(env: dict[str, str] | None = None) -> list[str]:
+    """The overrides a worker was given by its supervisor (empty when started by hand)."""
+    raw = (env if env is not None else os.environ).get(OVERRIDES_ENV)
+    if not raw:
+        return []
+    value = json.loads(raw)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{OVERRIDES_ENV} must be a JSON list of strings")
+    return value

@@ -1,0 +1,182 @@
+"""The command line (``python -m actors.supervisor TOPOLOGY``, also ``python -m deploy.cli``): start a
+deployment's share on this host.
+
+    --set key.path=value   override a topology value (repeatable; value is a TOML literal or a string)
+    --host NAME            start only that host's share (default: every host of the topology)
+    --check                validate and print the resolved tree, start nothing (exit 2 on errors)
+    --emit-systemd DIR     write systemd units for every host into DIR
+
+Exit codes: 0 after a requested shutdown (SIGTERM/SIGINT), 1 when the root supervisor gave up
+(systemd's Restart=on-failure then restarts the host), 2 for a bad topology or command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from config.loader import TopologyError, load_topology
+from config.topology import Topology
+from deploy.pools import PoolSpawner
+from deploy.tree import (
+    BusLink,
+    HostPlan,
+    build_host_tree,
+    describe_plan,
+    pending_hooks,
+    plan_host,
+)
+
+log = logging.getLogger("actors.supervisor")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m actors.supervisor",
+                                description="Start (or check, or emit systemd units for) a topology.")
+    p.add_argument("topology", help="topology TOML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                   help="override a topology value (repeatable)")
+    p.add_argument("--host", help="start only this host's share")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="validate and print the tree; start nothing")
+    mode.add_argument("--emit-systemd", metavar="DIR", help="write systemd unit files into DIR")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p.parse_args(argv)
+
+
+def shares(t: Topology, host: str | None) -> tuple[str, list[str]]:
+    """(name of this process's root, hosts whose children it runs)."""
+    hosts = t.hosts()
+    if host is not None:
+        if host not in hosts:
+            raise TopologyError("--host", None, f"{host!r} is not a host of this topology "
+                                                f"(hosts: {', '.join(hosts)})")
+        return host, [host]
+    # one process for the whole topology: named after its only host, or "all"
+    return (hosts[0] if len(hosts) == 1 else "all"), hosts
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        t = load_topology(args.topology, args.overrides)
+        name, hosts = shares(t, args.host)
+    except TopologyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.emit_systemd:
+        from deploy.systemd import emit_units
+        try:
+            paths = emit_units(t, args.topology, args.emit_systemd)
+        except (OSError, FileNotFoundError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        for path in paths:
+            print(path)
+        return EXIT_OK
+    if args.check:
+        print(f"{args.topology}: namespace {t.namespace}, bus "
+              f"{t.bus.url or f'embedded nats-server on 127.0.0.1:{t.bus.port}'}")
+        for h in ([args.host] if args.host else t.hosts()):
+            print("\n".join(describe_plan(plan_host(t, h, args.topology, args.overrides,
+                                                    control=_control_factory(None, None)), t)))
+        return EXIT_OK
+    try:
+        import uvloop
+        runner: Callable[[Any], int] = uvloop.run
+    except ImportError:  # uvloop is a core dependency; plain asyncio still works without it
+        runner = asyncio.run
+    return runner(boot(t, args.topology, args.overrides, name, hosts))
+
+
+def _control_factory(root_ref: list[Any] | None,
+                     spawner: PoolSpawner | None) -> Callable[[BusLink], Any] | None:
+    """The root's micro service (supervisors.service), when that module is present."""
+    try:
+        from supervisors import service  # noqa: F401
+    except ImportError:
+        return None
+
+    def make(link: BusLink) -> Any:
+        return ControlChild(link, root_ref[0], spawner)
+
+    return make
+
+
+class ControlChild:
+    """Child adapter for the root's micro service (``supervisors.service.SupervisorService``):
+    it lives in ``inproc`` because it needs this process's connection."""
+
+    name = "control"
+
+    def __init__(self, link: BusLink, root: Any, spawner: PoolSpawner | None) -> None:
+        from supervisors.service import SupervisorService
+        # spawn over NATS (operators, a planner) adds a replica of a pool this root runs, built
+        # from the topology: the message names the pool, never a command
+        self.svc = SupervisorService(link.child_ctx(), root, spawner=spawner.spec if spawner else None)
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.svc.start()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self, timeout: float | None) -> None:
+        self._stopped.set()
+        await self.svc.stop()
+
+
+async def boot(t: Topology, topology_path: str | Path, overrides: list[str], name: str,
+               hosts: list[str]) -> int:
+    from supervisors.sdnotify import Notifier, serve_root
+    from supervisors.supervisor import Supervisor
+
+    root_ref: list[Any] = []
+    plan: HostPlan = plan_host(t, name, topology_path, overrides, hosts=hosts,
+                               control=_control_factory(root_ref, PoolSpawner(t, topology_path, overrides, hosts)))
+    for h in hosts:
+        for missing in pending_hooks(t, h):
+            log.warning("host %s: %s: not started", h, missing)
+    s = t.supervisor
+    root = Supervisor(name, build_host_tree(plan), strategy=s.strategy,
+                      intensity=s.intensity, period=s.period, start_concurrency=s.start_concurrency,
+                      backoff={"initial": s.backoff.initial, "max": s.backoff.max,
+                               "multiplier": s.backoff.multiplier, "jitter": s.backoff.jitter})
+    root_ref.append(root)
+    plan.status.target = lambda text: root.on_status(text) if root.on_status else None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("%s again: already shutting down", sig.name)
+            return
+        log.info("%s: shutting down (bound %gs)", sig.name, s.shutdown_timeout)
+        stop.set()  # serve_root watches it while starting too (engines may load for minutes)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    log.info("namespace %s: starting %s (hosts %s; bus %s)", t.namespace, name, ", ".join(hosts),
+             t.bus.url or f"embedded on 127.0.0.1:{t.bus.port}")
+    try:
+        code = await serve_root(root, stop, Notifier(), shutdown_timeout=s.shutdown_timeout)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log.info("supervisor %s exits with %d", name, code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
