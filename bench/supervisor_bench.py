@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from supervisors.backoff import Backoff  # noqa: E402
+from bus.backoff import Backoff  # noqa: E402
 from supervisors.child import ChildSpec  # noqa: E402
 from supervisors.process import ProcessChild  # noqa: E402
 from supervisors.supervisor import Supervisor  # noqa: E402

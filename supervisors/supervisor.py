@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from bus.errors import Conflict, NotFound, Unavailable
-from supervisors.backoff import Backoff
+from bus.backoff import Backoff
 from supervisors.child import Child, ChildSpec, Escalation, NormalExit
 from supervisors.slot import Slot as Slot
 from supervisors.slot import describe

@@ -17,7 +17,7 @@ import pytest
 from bus.errors import Unavailable
 from config.loader import TopologyError, topology_from_dict
 from deploy.tree import describe_plan, plan_host
-from supervisors.backoff import Backoff
+from bus.backoff import Backoff
 from supervisors.child import ChildSpec, Escalation
 from supervisors.process import ProcessChild
 from supervisors.supervisor import Supervisor

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisors.backoff import Backoff
+from bus.backoff import Backoff
 from supervisors.child import ChildSpec
 from supervisors.process import ProcessChild, ProcessExited
 from supervisors.supervisor import Supervisor

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisors.backoff import Backoff
+from bus.backoff import Backoff
 from supervisors.child import ChildSpec
 from supervisors.sdnotify import Notifier, serve_root, socket_address
 from supervisors.supervisor import Supervisor

@@ -15,7 +15,7 @@ import pytest
 
 from bus.errors import BadRequest, Conflict, NotFound
 from bus.rpc import request
-from supervisors.backoff import Backoff
+from bus.backoff import Backoff
 from supervisors.child import ChildSpec, Escalation
 from supervisors.process import ProcessChild
 from supervisors.service import serve_supervisor

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from bus.errors import Conflict, NotFound, Unavailable
-from supervisors.backoff import Backoff
+from bus.backoff import Backoff
 from supervisors.child import ChildSpec, Escalation
 from supervisors.supervisor import Supervisor
 

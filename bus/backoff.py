@@ -1,6 +1,8 @@
-"""Exponential backoff with jitter between successive restarts of one child.
+"""Exponential backoff with jitter: the one delay policy of the project (a supervisor's restarts of
+one child, a NATS reconnect, a loop that retries until the bus answers). Retrying one library call
+(an HTTP download) uses tenacity instead.
 
-OTP restarts at once and relies on intensity/period alone; engines take tens of seconds to load, so a
+For restarts: OTP restarts at once and relies on intensity/period alone; engines take tens of seconds to load, so a
 crash loop without spacing would burn the intensity budget in a burst. Delays grow per child and
 reset once the child has stayed up for ``reset_after`` seconds.
 """
@@ -42,7 +44,7 @@ class Backoff:
         return self.reset_after if self.reset_after is not None else max(10.0, self.max)
 
     def base(self, attempt: int) -> float:
-        """Delay before restart number ``attempt`` (0-based) without jitter."""
+        """Delay before attempt ``attempt`` (0-based) without jitter."""
         if attempt <= 0:
             return min(self.initial, self.max)
         # cap the exponent so a long crash loop cannot overflow the float
