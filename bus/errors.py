@@ -24,8 +24,15 @@ class ActorError(Exception):
     kind: str = "internal_error"
     param: str | None = None  # the request field at fault, when one is (OpenAI error bodies name it)
 
-    def __init_subclass__(cls, *, wire: bool = False, **kwargs: object) -> None:
+    def __init_subclass__(cls, *, code: int | None = None, kind: str | None = None, wire: bool = False,
+                          **kwargs: object) -> None:
+        """``class Busy(RecoverableError, code=503, kind="...", wire=True)``: the HTTP code and
+        OpenAI error type of the class; ``wire``: rebuilt from (kind, code) by callers over the bus."""
         super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+        if kind is not None:
+            cls.kind = kind
         if wire:
             key = (cls.kind, cls.code)
             if key in _WIRE_CLASSES:
@@ -53,63 +60,46 @@ class FatalError(ActorError):
 
 
 # --- request-level -------------------------------------------------------------------------------
-class BadRequest(RecoverableError, wire=True):
-    code = 400
-    kind = "invalid_request_error"
+class BadRequest(RecoverableError, code=400, kind="invalid_request_error", wire=True):
+    """The request is malformed or asks for something the model cannot do."""
 
 
-class Forbidden(RecoverableError, wire=True):
+class Forbidden(RecoverableError, code=403, kind="permission_error", wire=True):
     """The request is well formed but this deployment does not allow it (an allow-list refused it)."""
 
-    code = 403
-    kind = "permission_error"
+
+class NotFound(RecoverableError, code=404, kind="not_found_error", wire=True):
+    """No such model, adapter, instance or child."""
 
 
-class NotFound(RecoverableError, wire=True):
-    code = 404
-    kind = "not_found_error"
+class PayloadTooLarge(RecoverableError, code=413, kind="invalid_request_error", wire=True):
+    """A body or field over its cap."""
 
 
-class PayloadTooLarge(RecoverableError, wire=True):
-    code = 413
-    kind = "invalid_request_error"
-
-
-class ClientTimeout(RecoverableError):
+class ClientTimeout(RecoverableError, code=408, kind="timeout"):
     """An HTTP client did not send its request (headers or body) in time: 408. Not RequestTimeout,
     which is a reply over the bus that did not come (504)."""
 
-    code = 408
-    kind = "timeout"
+
+class Conflict(RecoverableError, code=409, kind="conflict_error", wire=True):
+    """The request contradicts the current state (a child or adapter that exists already)."""
 
 
-class Conflict(RecoverableError, wire=True):
-    code = 409
-    kind = "conflict_error"
-
-
-class Overloaded(RecoverableError, wire=True):
+class Overloaded(RecoverableError, code=503, kind="service_unavailable", wire=True):
     """Admission refused (queue full, no capacity)."""
-
-    code = 503
-    kind = "service_unavailable"
 
 
 # --- transport-level (raised by bus.rpc on the caller side) --------------------------------------
-class TransportError(RecoverableError):
-    code = 503
-    kind = "service_unavailable"
+class TransportError(RecoverableError, code=503, kind="service_unavailable"):
+    """The bus did not carry the request or its reply."""
 
 
 class Unavailable(TransportError):
     """Nobody is subscribed to the subject (NATS 'no responders')."""
 
 
-class RequestTimeout(TransportError):
+class RequestTimeout(TransportError, code=504, kind="timeout"):
     """No reply within the deadline."""
-
-    code = 504
-    kind = "timeout"
 
 
 class StreamStalled(TransportError):
