@@ -136,12 +136,13 @@ class ProcessChild:
         if self._sock is None:
             return
         self._reader = asyncio.create_task(self._read_notify(), name=f"notify:{self.name}")
-        exited = asyncio.create_task(self.proc.wait())
-        ready = asyncio.create_task(self._ready.wait())
-        try:
+        # ready or exited, whichever comes first: the loser is cancelled, and the group makes sure
+        # neither waiter outlives this start (nor a cancellation of it)
+        async with asyncio.TaskGroup() as race:
+            exited = race.create_task(self.proc.wait())
+            ready = race.create_task(self._ready.wait())
             done, _ = await asyncio.wait({exited, ready}, timeout=self.ready_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
-        finally:
             exited.cancel()
             ready.cancel()
         if ready in done and self._ready.is_set():

@@ -17,10 +17,8 @@ import logging
 import os
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from supervisors.supervisor import Supervisor
+from supervisors.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

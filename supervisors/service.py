@@ -94,7 +94,7 @@ class SupervisorService:
             "stop": self._stop, "escalate": self._escalate}
         endpoints = [EndpointSpec(name=v, subject=self.subject(v), handler=handlers[v]) for v in VERBS]
         meta = {"host": self.ctx.host, "namespace": self.ctx.namespace, "supervisor": self.sup.name,
-                "strategy": self.sup.strategy, **({"node": self.node} if self.node else {})}
+                "strategy": self.sup.policy.strategy, **({"node": self.node} if self.node else {})}
         self.handle = await add_service(
             self.ctx.nc, name="supervisor", version=self.version,
             description=f"supervisor {self.sup.name} on {self.ctx.host}", metadata=meta,
@@ -114,7 +114,7 @@ class SupervisorService:
                 "restarts": sum(c["restarts"] for c in kids)}
 
     def _view(self) -> dict[str, Any]:
-        return {"supervisor": self.sup.name, "host": self.ctx.host, "strategy": self.sup.strategy,
+        return {"supervisor": self.sup.name, "host": self.ctx.host, "strategy": self.sup.policy.strategy,
                 "running": self.sup.running, "children": self.sup.children()}
 
     def _child_view(self, child_id: str) -> dict[str, Any] | None:

@@ -4,37 +4,35 @@ A Supervisor is itself a Child (start/wait/stop), so trees nest: when a supervis
 ``wait()`` raises ``Escalation`` and its parent treats that like any other crash.
 
 All state changes happen in one loop task (``_run``): child exits and operator commands are queued
-events handled one at a time, so strategies never race with each other. Starting a non-parallel
-child blocks the loop (as in OTP, a supervisor starts one child at a time and in order). Children
-whose spec says ``parallel`` (worker processes) start in tasks, at most ``start_concurrency`` at once,
-and post their outcome to the loop (supervisors/starter.py). Backoff never blocks the loop: a child
-waiting out its backoff is a slot with a deadline, and other events are handled meanwhile.
+events (supervisors/mailbox.py) handled one at a time, so strategies never race with each other.
+Starting a non-parallel child blocks the loop (as in OTP, a supervisor starts one child at a time
+and in order). Children whose spec says ``parallel`` (worker processes) start in tasks, at most
+``start_concurrency`` at once, and post their outcome to the loop (supervisors/starter.py). Backoff
+never blocks the loop: a child waiting out its backoff is a slot with a deadline, and other events
+are handled meanwhile. What a crash leads to is the restart policy's call (supervisors/policy.py);
+stopping children on purpose is supervisors/stopping.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
-from bus.errors import Conflict, NotFound, Unavailable
 from bus.backoff import Backoff
+from bus.errors import Conflict, NotFound, Unavailable
 from supervisors.child import Child, ChildSpec, Escalation, NormalExit
-from supervisors.slot import Slot as Slot
-from supervisors.slot import describe
-from supervisors.slot import giveup_timeout as giveup_timeout
+from supervisors.mailbox import Command, Event, Mailbox
+from supervisors.policy import RestartPolicy, Strategy
+from supervisors.slot import Slot, describe, giveup_timeout
 from supervisors.starter import Starter, listen, next_wakeup, plan_starts, progress_line
+from supervisors.stopping import kill, stop_all, stop_slot
 
 log = logging.getLogger(__name__)
-
-Strategy = Literal["one_for_one", "one_for_all", "rest_for_one"]
-STRATEGIES = ("one_for_one", "one_for_all", "rest_for_one")
-# Extra time given to a child's own stop(timeout) before it is killed outright.
-_STOP_GRACE = 1.0
 
 
 class Supervisor:
@@ -43,29 +41,23 @@ class Supervisor:
     def __init__(self, name: str, children: list[ChildSpec], strategy: Strategy = "one_for_one",
                  intensity: int = 5, period: float = 60.0, backoff: Any = None,
                  on_status: Callable[[str], None] | None = None, start_concurrency: int = 4) -> None:
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; use one of {', '.join(STRATEGIES)}")
         ids = [s.id for s in children]
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate child ids in supervisor {name}: {ids}")
         if start_concurrency < 1:
             raise ValueError(f"start_concurrency must be >= 1, got {start_concurrency}")
         self.name = name
-        self.strategy: Strategy = strategy
-        self.intensity = intensity
-        self.period = period
-        self.backoff = Backoff.of(backoff)
+        self.policy = RestartPolicy(strategy, intensity, period, Backoff.of(backoff))
         self.on_status = on_status
         self.start_concurrency = start_concurrency
         self._slots: list[Slot] = [Slot(spec) for spec in children]
-        self._restart_times: deque[float] = deque()
-        self._events: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self._mailbox = Mailbox(name)
         self._loop_task: asyncio.Task[None] | None = None
         self._up: asyncio.Future[None] | None = None
         self._failure: BaseException | None = None
         self._stopping = False
         self._done = asyncio.Event()
-        self._starter = Starter(name, self._events.put_nowait, self._kill)
+        self._starter = Starter(name, self._mailbox.post, functools.partial(kill, name))
         self._settled = False  # every child up (or stopped) and that has been reported
 
     # --- Child protocol ------------------------------------------------------------------------
@@ -107,7 +99,7 @@ class Supervisor:
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        await self._stop_all(timeout)
+        await stop_all(self.name, self._starter, self._slots, timeout)
         self._finish()
 
     # --- runtime API (operators, planner, service.py) -------------------------------------------
@@ -152,14 +144,14 @@ class Supervisor:
             raise Unavailable(f"supervisor {self.name} is not running")
         if child is not None:
             self._find(child)
-        self._events.put_nowait(("escalate", child, reason))
+        self._mailbox.post(("escalate", child, reason))
 
     # --- the loop --------------------------------------------------------------------------------
     async def _run(self) -> None:
         try:
             while self._failure is None:
-                while not self._events.empty() and self._failure is None:
-                    await self._handle(self._events.get_nowait())
+                while self._failure is None and (ev := self._mailbox.take()) is not None:
+                    await self._handle(ev)
                 if self._failure is not None:
                     break
                 now = time.monotonic()
@@ -174,11 +166,8 @@ class Supervisor:
                     continue
                 self._settle()
                 timeout = next_wakeup(self._slots, now)
-                try:
-                    ev = await asyncio.wait_for(self._events.get(), timeout)
-                except TimeoutError:
-                    continue
-                await self._handle(ev)
+                if (ev := await self._mailbox.next(timeout)) is not None:
+                    await self._handle(ev)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a bug here must not leave children unsupervised silently
@@ -187,10 +176,11 @@ class Supervisor:
         # gave up: stop everything and fail to the parent
         log.error("supervisor %s gives up: %s", self.name, self._failure)
         self._status(f"{self.name}: failed: {self._failure}")
-        await self._stop_all(None if self._stopping else giveup_timeout(self._slots))
+        await stop_all(self.name, self._starter, self._slots,
+                       None if self._stopping else giveup_timeout(self._slots))
         self._finish()
 
-    async def _handle(self, ev: tuple[Any, ...]) -> None:
+    async def _handle(self, ev: Event) -> None:
         kind = ev[0]
         if kind == "exit":
             _, slot, gen, exc = ev
@@ -222,29 +212,16 @@ class Supervisor:
                 log.warning("supervisor %s: escalate for %s ignored (not running)", self.name, child_id)
                 return
             log.warning("supervisor %s: %s escalated: %s", self.name, child_id, reason)
-            await self._stop_slot(slot)
+            await stop_slot(self.name, self._starter, slot)
             await self._crashed(slot, Escalation(reason))
         elif kind == "cmd":
             _, fn, fut = ev
-            try:
-                res = await fn()
-            except asyncio.CancelledError:
-                if not fut.done():
-                    fut.set_exception(Unavailable(f"supervisor {self.name} stopped"))
-                raise
-            except Exception as e:
-                if not fut.done():
-                    fut.set_exception(e)
-            else:
-                if not fut.done():
-                    fut.set_result(res)
+            await self._mailbox.run(fn, fut)
 
-    async def _call(self, fn: Callable[[], Awaitable[Any]]) -> Any:
+    async def _call(self, fn: Command) -> Any:
         if not self.running:
             raise Unavailable(f"supervisor {self.name} is not running")
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._events.put_nowait(("cmd", fn, fut))
-        return await fut
+        return await self._mailbox.call(fn)
 
     # --- crash handling --------------------------------------------------------------------------
     async def _crashed(self, slot: Slot, exc: BaseException | None) -> None:
@@ -263,28 +240,23 @@ class Supervisor:
                 self._slots.remove(slot)
             return
         now = time.monotonic()
-        self._restart_times.append(now)
-        while self._restart_times and now - self._restart_times[0] > self.period:
-            self._restart_times.popleft()
-        if len(self._restart_times) > self.intensity:
+        policy = self.policy
+        if policy.exceeded(now):
             slot.state = "stopped"
             self._failure = Escalation(
-                f"supervisor {self.name}: more than {self.intensity} restarts in {self.period:g}s; "
+                f"supervisor {self.name}: more than {policy.intensity} restarts in {policy.period:g}s; "
                 f"last: child {spec.id}: {reason}")
             return
-        if slot.started_mono is not None and now - slot.started_mono >= self.backoff.reset_seconds:
-            slot.attempt = 0
-        delay = self.backoff.delay(slot.attempt)
-        slot.attempt += 1
-        group = self._group(slot)
+        delay = policy.next_delay(slot, now)
+        group = policy.group(self._slots, slot)
         log.warning("supervisor %s: child %s %s (%s); restarting %s in %.2fs (%s)", self.name,
                     spec.id, "exited" if exc is None else "crashed", reason,
-                    ", ".join(s.spec.id for s in group), delay, self.strategy)
+                    ", ".join(s.spec.id for s in group), delay, policy.strategy)
         self._status(f"{self.name}: restarting {spec.id} in {delay:.1f}s: {reason}")
         for s in reversed(group):
             if s is not slot and (s.child is not None or self._starter.busy(s)):
-                await self._stop_slot(s)
-                s.last_exit_reason = f"shutdown: {self.strategy} after {spec.id} {reason}"
+                await stop_slot(self.name, self._starter, s)
+                s.last_exit_reason = f"shutdown: {policy.strategy} after {spec.id} {reason}"
         for s in group:
             if s is not slot and s.spec.restart == "temporary":
                 s.state = "stopped"
@@ -292,15 +264,6 @@ class Supervisor:
                 continue
             s.state, s.deadline = "restarting", now + delay
             s.restarts += 1
-
-    def _group(self, slot: Slot) -> list[Slot]:
-        """Children restarted together with ``slot``, in start order (stopped ones stay stopped)."""
-        if self.strategy == "one_for_one":
-            return [slot]
-        live = [s for s in self._slots if s is slot or s.state != "stopped"]
-        if self.strategy == "one_for_all":
-            return live
-        return live[live.index(slot):]
 
     # --- starting and stopping one child ---------------------------------------------------------
     async def _start_slot(self, slot: Slot) -> None:
@@ -315,13 +278,13 @@ class Supervisor:
             await child.start()
         except asyncio.CancelledError:
             if child is not None:
-                await self._kill(child)
+                await kill(self.name, child)
             slot.child, slot.state = None, "restarting"
             raise
         except Exception as e:
             log.warning("supervisor %s: child %s failed to start: %s", self.name, spec.id, describe(e))
             if child is not None:
-                await self._kill(child)  # a half-started child must not linger
+                await kill(self.name, child)  # a half-started child must not linger
             slot.child, slot.started_mono = None, None
             await self._crashed(slot, e)
             return
@@ -347,65 +310,10 @@ class Supervisor:
             raise
         except Exception as e:
             exc = e
-        self._events.put_nowait(("exit", slot, gen, exc))
-
-    async def _stop_slot(self, slot: Slot, timeout: float | None | Literal["spec"] = "spec") -> None:
-        """Stop a running or starting child on purpose: its exit is not a crash."""
-        await self._starter.cancel(slot)  # a start in flight kills its half-started child
-        child = slot.child
-        if slot.monitor is not None:
-            slot.monitor.cancel()
-            slot.monitor = None
-        slot.gen += 1  # any exit event already queued is now stale
-        if child is None:
-            return
-        t = slot.spec.shutdown_timeout if timeout == "spec" else timeout
-        try:
-            if t is None:
-                await self._kill(child)
-            else:
-                await asyncio.wait_for(child.stop(t), t + _STOP_GRACE)
-        except asyncio.CancelledError:
-            await self._kill(child)  # interrupted mid-stop (supervisor stopping): finish the job
-            slot.child = None
-            raise
-        except Exception as e:
-            log.warning("supervisor %s: child %s did not stop cleanly (%s); killing",
-                        self.name, slot.spec.id, describe(e))
-            await self._kill(child)
-        slot.child = None
-        log.info("supervisor %s: child %s stopped", self.name, slot.spec.id)
-
-    async def _kill(self, child: Child) -> None:
-        try:
-            await asyncio.wait_for(child.stop(None), 10.0)
-        except Exception as e:
-            log.error("supervisor %s: killing %s failed: %s", self.name, child.name, describe(e))
-
-    async def _stop_all(self, timeout: float | None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        await self._starter.cancel_all()  # no start in flight may leave a child behind
-        for slot in reversed(self._slots):
-            if slot.child is None:
-                if slot.state != "stopped":
-                    slot.state = "stopped"
-                continue
-            t: float | None = slot.spec.shutdown_timeout
-            if deadline is None:
-                t = None
-            elif t is not None:
-                t = max(0.0, min(t, deadline - time.monotonic()))
-            await self._stop_slot(slot, t)
-            slot.state = "stopped"
-        for slot in self._slots:
-            slot.resolve(Unavailable(f"supervisor {self.name} stopped"))
+        self._mailbox.post(("exit", slot, gen, exc))
 
     def _finish(self) -> None:
-        # fail queued commands so their callers do not hang
-        while not self._events.empty():
-            ev = self._events.get_nowait()
-            if ev[0] == "cmd" and not ev[2].done():
-                ev[2].set_exception(Unavailable(f"supervisor {self.name} stopped"))
+        self._mailbox.close()
         self._done.set()
 
     # --- commands (run inside the loop) ----------------------------------------------------------
@@ -422,11 +330,11 @@ class Supervisor:
 
     async def _cmd_restart(self, child_id: str) -> list[asyncio.Future[None]]:
         slot = self._find(child_id)
-        group = self._group(slot) if slot.state != "stopped" else [slot]
+        group = self.policy.group(self._slots, slot) if slot.state != "stopped" else [slot]
         log.info("supervisor %s: restart of %s requested (%s)", self.name, child_id,
                  ", ".join(s.spec.id for s in group))
         for s in reversed(group):
-            await self._stop_slot(s)
+            await stop_slot(self.name, self._starter, s)
         now = time.monotonic()
         for s in group:
             s.state, s.deadline, s.attempt = "restarting", now, 0
@@ -444,7 +352,7 @@ class Supervisor:
 
     async def _cmd_stop(self, child_id: str, remove: bool) -> None:
         slot = self._find(child_id)
-        await self._stop_slot(slot)
+        await stop_slot(self.name, self._starter, slot)
         slot.state = "stopped"
         slot.last_exit_reason = "stopped on request"
         slot.resolve(Unavailable(f"child {child_id} stopped"))
