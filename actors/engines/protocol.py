@@ -206,13 +206,3 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def kv_event_sources(self) -> list[KvEventSource]:
         """ZMQ KV-event endpoints, one per DP rank (empty when events are off, e.g. decode)."""
-
-
-async def stats_stream(engine: Engine, interval: float = 1.0) -> AsyncIterator[list[EngineStats]]:
-    """Stats as a stream: the latest per-rank stats every ``interval`` seconds until death."""
-    while not engine.dead.is_set():
-        yield engine.stats()
-        try:
-            await asyncio.wait_for(engine.dead.wait(), interval)
-        except TimeoutError:
-            pass

@@ -1,8 +1,10 @@
 """MockerEngine: a simulated vLLM behind the Engine protocol (see ``config.py`` for its args).
 
-One asyncio task per DP rank runs scheduler steps: each step schedules (``scheduler.py``), waits
-the timing model's duration (``timing.py``; no sleep at all at zero compute, only a yield), then
-publishes the step's KV events as one ZMQ batch (``kv_events.py``) and delivers the step's tokens.
+One asyncio task per DP rank (``ranks.py``) runs scheduler steps: each step schedules
+(``scheduler.py``), waits the timing model's duration (``timing.py``; no sleep at all at zero
+compute, only a yield), then publishes the step's KV events as one ZMQ batch (``kv_events.py``) and
+delivers the step's tokens. Loaded LoRA adapters are kept in ``loras.py``. This module is the
+engine's face: request admission and streaming, lifecycle, sleep, faults.
 
 Roles: "prefill" forces ``max_tokens=1`` and puts NIXL-like ``kv_transfer_params`` on the final
 output; "decode" publishes no KV events and, given ``kv_transfer_params`` with
@@ -20,7 +22,6 @@ import os
 import signal
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,9 +29,9 @@ from actors.engines.limits import Limits, check_prompt_ids, check_sampling_limit
 from actors.engines.mocker import outputs
 from actors.engines.mocker import tokens as tk
 from actors.engines.mocker.config import MockerArgs
-from actors.engines.mocker.kv_events import ZmqKvEventPublisher
-from actors.engines.mocker.kv_pool import BlockPool
-from actors.engines.mocker.scheduler import MockRequest, Scheduler, StepResult
+from actors.engines.mocker.loras import LoadedLoras
+from actors.engines.mocker.ranks import Rank, Sink, build_ranks
+from actors.engines.mocker.scheduler import MockRequest, StepResult
 from actors.engines.mocker.timing import TimingModel
 from actors.engines.protocol import (
     EmbedsPrompt,
@@ -49,22 +50,6 @@ from actors.engines.protocol import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class _Rank:
-    def __init__(self, dp_rank: int, pool: BlockPool, sched: Scheduler,
-                 publisher: ZmqKvEventPublisher | None) -> None:
-        self.dp_rank = dp_rank
-        self.pool = pool
-        self.sched = sched
-        self.publisher = publisher
-        self.work = asyncio.Event()
-        self.task: asyncio.Task[None] | None = None
-
-    def flush_events(self) -> None:
-        events = self.pool.take_events()
-        if events and self.publisher is not None:
-            self.publisher.publish(events)
 
 
 class MockerEngine(Engine):
@@ -91,12 +76,11 @@ class MockerEngine(Engine):
         self._dead = asyncio.Event()
         self._awake = asyncio.Event()
         self._awake.set()
-        self._sleep_level: int | None = None
         self._hung = False
         self._hang_fired = False
         self._unhang = asyncio.Event()
-        self._ranks: list[_Rank] = []
-        self._loras: OrderedDict[str, LoraRef] = OrderedDict()
+        self._ranks: list[Rank] = []
+        self._loras = LoadedLoras(a.lora_capacity, self.engine_id)
         self._started = False
         self._stopped = False
 
@@ -108,30 +92,7 @@ class MockerEngine(Engine):
             self._die("die_at_start injected")
             raise EngineDeadError("mocker engine died at start (die_at_start)")
         a = self.args
-        try:
-            for r in range(a.dp_size):
-                pool = BlockPool(a.num_gpu_blocks, a.block_size, a.enable_prefix_caching,
-                                 emit_events=self.role != "decode")
-                sched = Scheduler(pool, max_num_seqs=a.max_num_seqs,
-                                  max_num_batched_tokens=a.max_num_batched_tokens,
-                                  max_model_len=a.max_model_len,
-                                  enable_chunked_prefill=a.enable_chunked_prefill,
-                                  max_loras=a.max_loras, sample=self._sample)
-                pub = None
-                if self.role != "decode":
-                    base = self.kv_events_port
-                    pub = ZmqKvEventPublisher(
-                        r, pub_port=base + r if base else 0,
-                        replay_port=base + a.dp_size + r if base else 0,
-                        buffer_steps=a.kv_events_buffer_steps)
-                    pub.start()
-                self._ranks.append(_Rank(r, pool, sched, pub))
-        except Exception:
-            for rank in self._ranks:
-                if rank.publisher:
-                    rank.publisher.close()
-            self._ranks = []
-            raise
+        self._ranks = build_ranks(a, self.role, self.kv_events_port, self._sample)
         for rank in self._ranks:
             rank.task = asyncio.get_running_loop().create_task(
                 self._loop(rank), name=f"mocker-{self.engine_id}-dp{rank.dp_rank}")
@@ -153,12 +114,10 @@ class MockerEngine(Engine):
             for req in list(rank.sched.requests.values()):
                 rank.sched.finish(req, "abort")
                 self._push(req, self._output(req, [], final=True))
-            if rank.publisher is not None:
-                rank.publisher.close()
-                rank.publisher = None
+            rank.close_publisher()
 
     # --- the simulation loop -------------------------------------------------------------------
-    async def _loop(self, rank: _Rank) -> None:
+    async def _loop(self, rank: Rank) -> None:
         sched = rank.sched
         try:
             while not self._dead.is_set():
@@ -188,7 +147,7 @@ class MockerEngine(Engine):
             logger.exception("mocker %s rank %d crashed", self.engine_id, rank.dp_rank)
             self._die(f"simulation error: {e!r}")
 
-    def _deliver(self, rank: _Rank, res: StepResult) -> None:
+    def _deliver(self, rank: Rank, res: StepResult) -> None:
         a = self.args
         for req, tok in res.sampled:
             if req.finish_reason == "abort":
@@ -246,9 +205,7 @@ class MockerEngine(Engine):
                 self._push(req, EngineDeadError(f"mocker engine died: {reason}"))
             if rank.task is not None and rank.task is not current:
                 rank.task.cancel()
-            if rank.publisher is not None:  # like vLLM: the publisher dies with EngineCore
-                rank.publisher.close()
-                rank.publisher = None
+            rank.close_publisher()  # like vLLM: the publisher dies with EngineCore
 
     # --- requests ----------------------------------------------------------------------------
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -262,7 +219,7 @@ class MockerEngine(Engine):
             return tk.embeds_token_ids(prompt.tensor, self.args.vocab_size, prompt.num_tokens)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
-    def _pick_rank(self) -> _Rank:
+    def _pick_rank(self) -> Rank:
         return min(self._ranks, key=lambda r: (r.sched.load, r.dp_rank))
 
     async def generate(self, prompt: Prompt, sampling: SamplingOptions, request_id: str,
@@ -310,7 +267,7 @@ class MockerEngine(Engine):
             lora_id=lora.int_id if lora else None, request_seed=sampling.seed,
             remote_prefill_tokens=remote,
             token_seed=tk.hash_seed(self.seed, lora_name, sampling.seed),
-            sink=_Sink(sampling))
+            sink=Sink(sampling))
         rank.sched.add(req)
         rank.work.set()
         queue = req.sink.queue
@@ -343,7 +300,6 @@ class MockerEngine(Engine):
 
     # --- control -----------------------------------------------------------------------------
     async def sleep(self, level: int = 1) -> None:
-        self._sleep_level = level
         self._awake.clear()
         if level >= 1:
             for rank in self._ranks:
@@ -352,7 +308,6 @@ class MockerEngine(Engine):
         logger.info("mocker %s sleeping (level %d)", self.engine_id, level)
 
     async def wake_up(self) -> None:
-        self._sleep_level = None
         self._awake.set()
 
     async def is_sleeping(self) -> bool:
@@ -368,25 +323,14 @@ class MockerEngine(Engine):
     async def add_lora(self, lora: LoraRef) -> bool:
         if not self.args.enable_lora:
             raise ValueError("enable_lora is off")
-        if lora.name in self._loras:
-            self._loras.move_to_end(lora.name)
-            return True
-        while len(self._loras) >= self.args.lora_capacity:
-            old, _ = self._loras.popitem(last=False)
-            logger.info("mocker %s evicts LoRA %s (capacity %d)", self.engine_id, old,
-                        self.args.lora_capacity)
-        self._loras[lora.name] = lora
+        self._loras.add(lora)
         return True
 
     async def remove_lora(self, lora: LoraRef) -> bool:
-        for name, ref in list(self._loras.items()):
-            if ref.int_id == lora.int_id:
-                del self._loras[name]
-                return True
-        return False
+        return self._loras.remove(lora)
 
     async def list_loras(self) -> list[int]:
-        return sorted(r.int_id for r in self._loras.values())
+        return self._loras.ids()
 
     async def check_health(self) -> None:
         if self._dead.is_set():
@@ -411,22 +355,8 @@ class MockerEngine(Engine):
 
     def stats(self) -> list[EngineStats]:
         now = time.time()
-        return [EngineStats(
-            dp_rank=r.dp_rank, num_running=len(r.sched.running), num_waiting=len(r.sched.waiting),
-            kv_usage=r.pool.usage, active_kv_blocks=r.pool.num_used,
-            total_kv_blocks=r.pool.num_blocks, prefix_queries=r.sched.prefix_queries,
-            prefix_hits=r.sched.prefix_hits, step=r.sched.step_count, ts=now) for r in self._ranks]
+        return [r.stats(now) for r in self._ranks]
 
     def kv_event_sources(self) -> list[KvEventSource]:
-        return [KvEventSource(dp_rank=r.dp_rank, endpoint=r.publisher.endpoint,
-                              replay_endpoint=r.publisher.replay_endpoint, topic=r.publisher.topic)
-                for r in self._ranks if r.publisher is not None]
-
-
-class _Sink:
-    __slots__ = ("queue", "sampling")
-
-    def __init__(self, sampling: SamplingOptions) -> None:
-        self.sampling = sampling
-        self.queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        return [src for r in self._ranks if (src := r.kv_event_source()) is not None]
 

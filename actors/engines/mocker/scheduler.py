@@ -42,14 +42,12 @@ class MockRequest:
     remote_prefill_tokens: int = 0  # prompt tokens whose KV arrives from a prefill engine
     token_seed: int = 0  # tokens.hash_seed(engine seed, LoRA, request seed)
     sink: Any = None  # engine-side delivery object (queue)
-    arrival: int = 0
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached_blocks: int = 0  # blocks already registered in the pool
     cached_tokens: int | None = None  # prefix-cache hits at first scheduling
-    num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     released_blocks: list[int] = field(default_factory=list)  # blocks held when it finished
@@ -109,14 +107,11 @@ class Scheduler:
         self.step_count = 0
         self.prefix_queries = 0
         self.prefix_hits = 0
-        self._arrivals = 0
 
     # --- queue management --------------------------------------------------------------------
     def add(self, req: MockRequest) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"duplicate request id {req.request_id!r}")
-        self._arrivals += 1
-        req.arrival = self._arrivals
         req.update_hashes(self.block_size)
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -154,7 +149,6 @@ class Scheduler:
         self._free(req)
         req.num_computed = 0
         req.remote_prefill_tokens = 0  # the hand-off KV is gone: recompute everything
-        req.num_preemptions += 1
         self.waiting.appendleft(req)
 
     # --- allocation --------------------------------------------------------------------------
