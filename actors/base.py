@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import msgspec
 from nats.aio.msg import Msg
 
+from actors.instances.contract import InstanceRecord
 from bus.context import BusContext
 from bus.micro import EndpointSpec, ErrorSent, ServiceHandle, add_service
 from bus.registry import Registry
@@ -91,6 +92,7 @@ class Actor:
         self.started_at = 0.0
         self.cancels = StreamCancels()
         self._sem = asyncio.Semaphore(max_concurrency)
+        self._in_flight = 0  # bounded handlers running now (the semaphore's holders)
         self._service: ServiceHandle | None = None
         self._registry: Registry | None = None
         self._done: asyncio.Future[None] | None = None
@@ -104,10 +106,13 @@ class Actor:
     def cancel_subject(self) -> str:
         return self.bus.subjects.actor(self.kind, self.instance, "cancel")
 
-    def record(self) -> msgspec.Struct | dict[str, Any]:
-        """Registry value in ``<ns>-instances`` under key ``instance`` (field names of InstanceRecord)."""
-        return {"instance": self.instance, "kind": self.kind, "role": self.role, "model": self.model,
-                "host": self.bus.host, "pid": os.getpid(), "status": "ready", "started_at": self.started_at}
+    def record(self) -> InstanceRecord | dict[str, Any]:
+        """Registry value in ``<ns>-instances`` under key ``instance``: an InstanceRecord, handed out
+        as its JSON mapping so that a helper actor can add facts of its own (the worker it serves);
+        an actor whose facts are all InstanceRecord fields returns the Struct itself."""
+        rec = InstanceRecord(instance=self.instance, kind=self.kind, role=self.role, model=self.model,
+                             host=self.bus.host, pid=os.getpid(), started_at=self.started_at)
+        return msgspec.to_builtins(rec)
 
     def metadata(self) -> dict[str, str]:
         return {"namespace": self.bus.namespace, "host": self.bus.host, "role": self.role,
@@ -129,7 +134,7 @@ class Actor:
     # --- state ------------------------------------------------------------------------------------
     @property
     def in_flight(self) -> int:
-        return self.max_concurrency - self._sem._value
+        return self._in_flight
 
     @property
     def registry(self) -> Registry | None:
@@ -165,11 +170,6 @@ class Actor:
             await self._shutdown(drain=0.0)
             raise
         log.info("%s %s started (%d endpoints)", self.kind, self.instance, len(specs))
-
-    async def update_record(self) -> None:
-        """Re-publish ``record()`` (e.g. after a status change); the heartbeat keeps the new value."""
-        if self._registry is not None and not self._stopping:
-            await self._registry.register(self.instance, self.record())
 
     async def wait(self) -> None:
         assert self._done is not None, "not started"
@@ -225,8 +225,20 @@ class Actor:
     # --- transport wrappers --------------------------------------------------------------------------
     def _spec(self, ep: Endpoint) -> EndpointSpec:
         handler = self._streaming(ep) if ep.streaming else self._unary(ep)
+        if ep.bounded:
+            handler = self._counted(handler)
         return EndpointSpec(name=ep.name, subject=ep.subject, handler=handler, queue_group=ep.queue_group,
                             metadata=ep.metadata, concurrency=self._sem if ep.bounded else None)
+
+    def _counted(self, handler: Callable[[Msg], Any]) -> Callable[[Msg], Any]:
+        async def handle(msg: Msg) -> None:
+            self._in_flight += 1
+            try:
+                await handler(msg)
+            finally:
+                self._in_flight -= 1
+
+        return handle
 
     def _unary(self, ep: Endpoint) -> Callable[[Msg], Any]:
         async def handle(msg: Msg) -> None:

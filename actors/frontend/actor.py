@@ -1,6 +1,7 @@
 """FrontendActor: the OpenAI HTTP server as a supervised actor on the bus.
 
-It watches the registry (ns-instances, ns-models, ns-loras) into a WorkerSet, serves HTTP on
+It watches the registry (ns-instances, ns-models, ns-loras: one ``actors.instances`` watch each,
+which its KV router's feed shares) into a WorkerSet, serves HTTP on
 ``FrontendConfig.http`` and registers a micro service (``nats micro info frontend``) whose
 ``status`` endpoint reports what it sees, plus an instance record in ns-instances. With the ``kv``
 router it also serves ``ns.router.*`` (route, finish, index.stats, index.dump: actors.router.service)
@@ -15,19 +16,18 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from actors.base import Actor, Endpoint
+from actors.instances.watch import BucketWatch, watch_instances, watch_models
 from actors.router.service import RouterEndpoints, RouterState
 from bus import rpc
 from bus.context import BusContext
-from bus.registry import Registry
-from bus.tasks import cancel_and_wait
 from config.topology import FrontendConfig, ModelConfig, PoolConfig
 
 from .app import FrontendApp
 from .client import WorkerClient
 from .confirm import InstanceConfirmer
-from .discovery import WorkerSet, watch_into
+from .discovery import WorkerSet
 from .http_guard import GuardedSite
-from .kv_routing import kv_factory
+from .kv_routing import KvFactory, kv_factory
 from .metrics import FrontendMetrics
 from .readiness import PoolExpectation, Readiness
 from .routing import Router, make_router
@@ -46,7 +46,7 @@ class FrontendActor(Actor):
 
     def __init__(self, bus: BusContext, *, config: FrontendConfig | None = None,
                  model_config: ModelConfig | None = None, instance: str | None = None,
-                 kv_factory: Callable[[WorkerSet, BusContext], Router] | None = None,
+                 kv_factory: KvFactory | None = None,
                  registry_ttl: float | None = None, pools: Mapping[str, PoolConfig] | None = None,
                  supervisor_hosts: list[str] | None = None, on_status: Callable[[str], None] | None = None,
                  **kw: Any) -> None:
@@ -72,7 +72,12 @@ class FrontendActor(Actor):
         self._router: Router | None = None
         self.app: FrontendApp | None = None
         self._site: GuardedSite | None = None
-        self._watchers: list[asyncio.Task[None]] = []
+        # one watch per bucket for the whole process (the KV router's feed shares ns-instances)
+        self.instances = watch_instances(bus, self.registry_ttl)
+        self._watches: list[BucketWatch[Any]] = [
+            self.instances, watch_models(bus, self.registry_ttl),
+            BucketWatch(bus.js, bus.subjects.bucket_loras, self.registry_ttl, dict[str, Any])]
+        self._unsubscribe: list[Callable[[], None]] = []
         self.port: int | None = None
 
     # --- actor hooks -----------------------------------------------------------------------------------
@@ -97,32 +102,24 @@ class FrontendActor(Actor):
         return {"models": len(self.workers.models), "workers": len(self.workers.ready_instances()),
                 "http": self.config.http}
 
-    def record(self) -> dict[str, Any]:
-        rec = dict(super().record())  # type: ignore[arg-type]
-        rec["generate_subject"] = None
-        return {k: v for k, v in rec.items() if v is not None}
-
     async def on_start(self) -> None:
         ws = self.workers
-        subj = self.bus.subjects
-        instances = Registry(self.bus.js, subj.bucket_instances, self.registry_ttl)
-        await instances.ensure()
-        self._confirmer = InstanceConfirmer(self.bus, ws, instances)
-        watches: list[tuple[Registry, Callable[[str, bytes], Any], Callable[[str], None]]] = [
-            (instances, self._confirmer.put, self._confirmer.delete)]
-        for bucket, put, delete in ((subj.bucket_models, ws.put_model, ws.delete_model),
-                                    (subj.bucket_loras, ws.put_lora, ws.delete_lora)):
-            reg = Registry(self.bus.js, bucket, self.registry_ttl)
-            await reg.ensure()
-            watches.append((reg, put, delete))
-        for reg, put, delete in watches:
-            self._watchers.append(asyncio.create_task(self._watch(reg, put, delete),
-                                                      name=f"frontend-watch-{reg.bucket}"))
+        instances, models, loras = self._watches
+        self._confirmer = InstanceConfirmer(self.bus, ws, instances.registry)
+        self._unsubscribe = [instances.subscribe(self._confirmer.put, self._confirmer.delete),
+                             models.subscribe(ws.put_model, ws.delete_model),
+                             loras.subscribe(ws.put_lora, ws.delete_lora)]
         ws.listeners.append(self._readiness_changed)
+        try:
+            for watch in self._watches:
+                await watch.start()
+        except BaseException:
+            await self._cleanup()
+            raise
         factory = self._kv_factory
         if factory is None and self.config.router == "kv":
             factory = kv_factory(self.config, self.model_config.name if self.model_config else None)
-        kv = (lambda: factory(ws, self.bus)) if factory is not None else None  # noqa: E731
+        kv = (lambda: factory(ws, self.bus, self.instances)) if factory is not None else None  # noqa: E731
         router = make_router(self.config.router, kv_factory=kv)
         self._router = router
         client = WorkerClient(self.bus, self.config.stall_timeout)
@@ -149,8 +146,11 @@ class FrontendActor(Actor):
         if self._site is not None:
             await self._site.stop()
             self._site = None
-        await cancel_and_wait(self._watchers)
-        self._watchers.clear()
+        for watch in self._watches:
+            await watch.stop()
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self._unsubscribe = []
         if self._confirmer is not None:
             await self._confirmer.close()
 
@@ -209,16 +209,3 @@ class FrontendActor(Actor):
         if self.on_status is not None:
             self.on_status(text)
 
-    async def _watch(self, reg: Registry, put: Callable[[str, bytes], None],
-                     delete: Callable[[str], None]) -> None:
-        """Watch forever; a broken watch (reconnect, bucket recreated) restarts after a pause."""
-        delay = 0.5
-        while True:
-            try:
-                await watch_into(reg.watch(), put, delete, reg.bucket)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.warning("watch of %s failed (%s); retrying in %.1fs", reg.bucket, e, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)

@@ -1,9 +1,10 @@
 """Live worker sets per model and pool, from the registry buckets.
 
 ``WorkerSet`` is the logic (no NATS): it applies registry puts/deletes of ns-instances, ns-models
-and ns-loras and answers "which ready workers serve model M in role R". ``watch_into`` is the
-transport: it feeds a WorkerSet from ``bus.registry.Registry.watch()``. Only instances whose status
-is "ready" are ever offered: expired (deleted), sleeping and draining ones are not.
+and ns-loras and answers "which ready workers serve model M in role R". The transport is the
+process's ``actors.instances.watch.BucketWatch`` of each bucket (the frontend subscribes this set to
+them). Only instances whose status is "ready" are ever offered: expired (deleted), sleeping and
+draining ones are not.
 
 Nothing in the buckets is believed on its own. A bucket can outlive the processes that wrote it (a
 deployment SIGKILLed and started again within the TTL, an external NATS), so:
@@ -19,17 +20,15 @@ deployment SIGKILLed and started again within the TTL, an external NATS), so:
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from actors.worker.contract import InstanceRecord, ModelCard
+from actors.instances.contract import InstanceRecord, ModelCard
 
 log = logging.getLogger(__name__)
-
-GENERATE_KINDS = ("engine", "mocker", "worker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +97,7 @@ class WorkerSet:
 
     def needs_confirmation(self, key: str) -> bool:
         rec = self._records.get(key)
-        return (self.verify and rec is not None and rec.kind in GENERATE_KINDS
+        return (self.verify and rec is not None and rec.is_worker
                 and (rec.instance, rec.started_at) not in self._confirmed)
 
     def confirm(self, key: str, started_at: float) -> None:
@@ -163,8 +162,8 @@ class WorkerSet:
         return [w for ws in self._by_role.values() for w in ws]
 
     def records(self) -> list[InstanceRecord]:
-        """Every instance record of a worker kind (any status, confirmed or not)."""
-        return [r for r in self._records.values() if r.kind in GENERATE_KINDS]
+        """Every worker's instance record (any status, confirmed or not)."""
+        return [r for r in self._records.values() if r.is_worker]
 
     def known_model(self, name: str) -> bool:
         """A card names this model (it may not be servable right now)."""
@@ -192,7 +191,7 @@ class WorkerSet:
     def _rebuild(self) -> None:
         by_role: dict[tuple[str, str], list[Worker]] = {}
         for rec in self._records.values():
-            if rec.status != "ready" or not rec.generate_subject or rec.kind not in GENERATE_KINDS:
+            if rec.status != "ready" or not rec.generate_subject or not rec.is_worker:
                 continue
             if self.verify and (rec.instance, rec.started_at) not in self._confirmed:
                 continue
@@ -238,16 +237,3 @@ class WorkerSet:
             except Exception:
                 log.exception("worker-set listener failed")
 
-
-async def watch_into(updates: AsyncIterator[Any], put: Callable[[str, bytes], None],
-                     delete: Callable[[str], None], what: str) -> None:
-    """Apply a registry watch stream (``bus.registry.RegistryEvent``: value None = removed/expired)."""
-    async for upd in updates:
-        key, value = upd.key, upd.value
-        try:
-            if value is None:
-                delete(key)
-            else:
-                put(key, value)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
-            log.warning("ignoring malformed %s entry %s: %s", what, key, e)

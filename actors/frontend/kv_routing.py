@@ -1,9 +1,10 @@
 """The ``kv`` routing policy of the frontend: KV-cache-aware choice on the hot path, in process.
 
 Glue between the frontend's ``Router`` interface and ``actors.router``: ``KvRouter`` (hash → match →
-cost → book load and predicted blocks) fed by a ``KvRouterFeed`` (KV events, load reports, registry).
-Nothing here does a network round trip per request. The router's block size is the one the workers register (their model
-card); a worker whose block size differs is costed as zero overlap, with a loud warning and a metric
+cost → book load and predicted blocks) fed by a ``KvRouterFeed`` (KV events, load reports, and the
+frontend's own watch of the registry: one watch per process). Nothing here does a network round
+trip per request. The router's block size is the one the workers register (``block_size`` of
+their instance record); a worker whose block size differs is costed as zero overlap, with a loud warning and a metric
 (actors.router.cost) — never silently.
 """
 
@@ -13,18 +14,22 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from actors.instances.contract import InstanceRecord
+from actors.instances.watch import BucketWatch
 from actors.router.cost import RouterConfig
 from actors.router.feed import KvRouterFeed
 from actors.router.kv_router import KvRouter
 from actors.router.metrics import RouterMetrics
+from actors.router.service import RouterState
+from bus.backoff import Backoff
 from bus.context import BusContext
 from bus.tasks import cancel_and_wait
 from config.topology import FrontendConfig
 
 from .discovery import Worker, WorkerSet
-from .routing import _candidates
+from .routing import Router, _candidates
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,10 @@ def _metrics() -> RouterMetrics:
     return _process_metrics
 
 
-RouterState = tuple[KvRouter, KvRouterFeed]
+# Builds the kv policy from the frontend's worker set and its watch of ``<ns>-instances``.
+KvFactory = Callable[[WorkerSet, BusContext, BucketWatch[InstanceRecord]], Router]
+# Between attempts to start the feed (its subscriptions), while the router routes on its own decisions.
+FEED_RETRY = Backoff(initial=0.5, max=10.0)
 
 
 class KvPolicy:
@@ -57,9 +65,11 @@ class KvPolicy:
 
     name = "kv"
 
-    def __init__(self, workers: WorkerSet, bus: BusContext, config: FrontendConfig, model: str | None) -> None:
+    def __init__(self, workers: WorkerSet, bus: BusContext, instances: BucketWatch[InstanceRecord],
+                 config: FrontendConfig, model: str | None) -> None:
         self.workers = workers
         self.bus = bus
+        self.instances = instances
         self.config = config
         self.model = model
         self.router: KvRouter | None = None
@@ -96,7 +106,7 @@ class KvPolicy:
                            busy_threshold=self.config.busy_threshold)
         mode = "kv" if self.config.kv_events else "approx"
         router = KvRouter(cfg, mode=mode, approx_ttl=self.config.approx_ttl, metrics=_metrics())
-        feed = KvRouterFeed(self.bus, router, model=self.model)
+        feed = KvRouterFeed(self.bus, router, model=self.model, instances=self.instances)
         self.router, self.feed = router, feed
         self._feed_task = asyncio.get_running_loop().create_task(self._start_feed(feed),
                                                                  name="kv-router-feed-start")
@@ -106,17 +116,16 @@ class KvPolicy:
         return router
 
     async def _start_feed(self, feed: KvRouterFeed) -> None:
-        delay = 0.5
-        while True:
+        for attempt in itertools.count():
             try:
                 await feed.start()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the router keeps routing on its own decisions meanwhile
+                delay = FEED_RETRY.delay(attempt)
                 log.warning("kv router: feed failed to start (%s); retrying in %.1fs", e, delay)
                 await feed.stop()
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
                 continue
             self.feed_started.set()
             return
@@ -163,8 +172,8 @@ class KvPolicy:
             self.router.finish(request_id)
 
 
-def kv_factory(config: FrontendConfig, model: str | None):
-    def make(workers: WorkerSet, bus: BusContext) -> KvPolicy:
-        return KvPolicy(workers, bus, config, model)
+def kv_factory(config: FrontendConfig, model: str | None) -> KvFactory:
+    def make(workers: WorkerSet, bus: BusContext, instances: BucketWatch[InstanceRecord]) -> KvPolicy:
+        return KvPolicy(workers, bus, instances, config, model)
 
     return make

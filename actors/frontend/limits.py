@@ -18,7 +18,7 @@ from actors.engines.limits import (
     check_strings,
 )
 from actors.engines.protocol import SamplingOptions
-from actors.worker.contract import ModelCard
+from actors.instances.contract import ModelCard
 from bus.errors import BadRequest
 
 MAX_N = 128

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from actors.worker.contract import InstanceRecord
+from actors.instances.contract import InstanceRecord
 from config.workers import worker_child_id
 
 from .discovery import WorkerSet

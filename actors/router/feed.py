@@ -13,13 +13,15 @@ they converge because they consume the same subjects and recover from the same p
   retried until ``recovery_timeout``; a gap still open after that is retried every
   ``retry_interval`` (the worker keeps being routed with what the index already has).
 * ``Subjects.load_all()`` (LoadReport) → ``router.reconcile``.
-* The ``<ns>-instances`` registry: a worker that appears is bootstrapped from a ``dump`` (a frontend
-  started late knows nothing of the blocks cached before it); a worker whose entry is deleted or
-  expires is dropped (``router.remove_worker``), and its later stray events are ignored until it
-  registers again (a sleeping engine deregisters while its KV publisher lives on).
-  ``known_workers()`` lists the live workers. With ``model`` set, only that model's workers are
-  indexed (one KvRouter per model: models may use different block sizes). With ``watch_registry=False`` the feed runs on events
-  alone: workers are learnt from their first event (a dump when that event is not id 0).
+* The ``<ns>-instances`` registry, through the process's watch of it (``instances``: the frontend
+  shares its own; without one the feed watches the bucket itself): a worker that appears is
+  bootstrapped from a ``dump`` (a frontend started late knows nothing of the blocks cached before
+  it); a worker whose entry is deleted or expires is dropped (``router.remove_worker``), and its
+  later stray events are ignored until it registers again (a sleeping engine deregisters while its
+  KV publisher lives on). ``known_workers()`` lists the live workers. With ``model`` set, only that
+  model's workers are indexed (one KvRouter per model: models may use different block sizes). With
+  ``watch_registry=False`` the feed runs on events alone: workers are learnt from their first event
+  (a dump when that event is not id 0).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -36,6 +38,8 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from actors.instances.contract import InstanceRecord
+from actors.instances.watch import BucketWatch, watch_instances
 from actors.kv.contract import (
     KvDumpReply,
     KvDumpRequest,
@@ -49,15 +53,12 @@ from actors.worker.contract import LoadReport
 from bus import codec
 from bus.context import BusContext
 from bus.errors import ActorError
-from bus.registry import Registry, RegistryEvent
 from bus.rpc import request
 from bus.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
 Worker = tuple[str, int]
-# Registry kinds that serve generate and may publish KV events (the engine actor's record).
-WORKER_KINDS = ("engine", "mocker", "worker")
 _json_event = msgspec.json.Decoder(RouterKvEvent)
 
 
@@ -65,7 +66,7 @@ class KvRouterFeed:
     def __init__(self, bus: BusContext, router: KvRouter, *, recovery_timeout: float = 10.0,
                  request_timeout: float = 2.0, retry_interval: float = 0.5,
                  registry_ttl: float = 10.0, watch_registry: bool = True,
-                 model: str | None = None) -> None:
+                 model: str | None = None, instances: BucketWatch[InstanceRecord] | None = None) -> None:
         if model is not None and not watch_registry:
             raise ValueError("a model filter needs the registry (it says which instance serves what)")
         self.bus = bus
@@ -74,11 +75,15 @@ class KvRouterFeed:
         self.recovery_timeout = recovery_timeout
         self.request_timeout = request_timeout
         self.retry_interval = retry_interval
-        self.registry_ttl = registry_ttl
-        self.watch_registry = watch_registry
-        # live ns-instances entries of worker kinds; written only by _on_registry, which also drops
+        # the registry's watch: shared (its owner starts and stops it) or, without one, our own
+        self._owns_watch = watch_registry and instances is None
+        if self._owns_watch:
+            instances = watch_instances(bus, registry_ttl)
+        self._instances = instances if watch_registry else None
+        self._unwatch: Callable[[], None] | None = None
+        # live worker records (of ``model``); written only by _on_record/_on_removed, which also drop
         # the caches below (known_workers/block_sizes run once per routed request)
-        self.records: dict[str, dict[str, Any]] = {}
+        self.records: dict[str, InstanceRecord] = {}
         self._workers_cache: dict[str | None, list[Worker]] = {}
         self._sizes_cache: Mapping[Worker, int | None] | None = None
         self._buffers: dict[str, list[RouterKvEvent]] = {}  # instance -> events held during recovery
@@ -89,7 +94,6 @@ class KvRouterFeed:
         self._departed: set[str] = set()
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task[None]] = []
-        self._registry: Registry | None = None
         self._changed = asyncio.Event()
         self.counters = {"events": 0, "events_buffered": 0, "decode_errors": 0, "gaps": 0,
                          "ranges": 0, "dumps": 0, "recoveries": 0, "recovery_failures": 0,
@@ -101,22 +105,24 @@ class KvRouterFeed:
     async def start(self) -> None:
         s = self.bus.subjects
         nc = self.bus.nc
-        if self.watch_registry:
+        if self._instances is not None:
             # Current entries first, so a late frontend starts its dumps before any event arrives.
-            self._registry = Registry(self.bus.js, s.bucket_instances, self.registry_ttl)
-            await self._registry.ensure()
-            for key, value in (await self._registry.items()).items():
-                self._on_registry(RegistryEvent("added", key, value))
+            if self._owns_watch:
+                await self._instances.start()
+            self._unwatch = self._instances.subscribe(self._on_record, self._on_removed)
         self._subs.append(await nc.subscribe(s.kv_events_all(), cb=self._on_event_msg))
         self._subs.append(await nc.subscribe(s.load_all(), cb=self._on_load_msg))
         await nc.flush()
-        if self._registry is not None:
-            self._tasks.append(asyncio.create_task(self._watch(), name="kv-feed-registry"))
         self._tasks.append(asyncio.create_task(self._retry_loop(), name="kv-feed-retry"))
         log.info("KV router feed started on %s (%d workers in the registry)", s.kv_events_all(),
                  len(self.records))
 
     async def stop(self) -> None:
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        if self._owns_watch and self._instances is not None:
+            await self._instances.stop()
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -137,11 +143,9 @@ class KvRouterFeed:
     def _known_workers(self, role: str | None) -> list[Worker]:
         out: list[Worker] = []
         for inst, rec in self.records.items():
-            if role is not None and rec.get("role") != role:
+            if (role is not None and rec.role != role) or rec.status != "ready":
                 continue
-            if rec.get("status", "ready") != "ready":
-                continue
-            out.extend((inst, r) for r in range(int(rec.get("dp_size") or 1)))
+            out.extend((inst, r) for r in range(max(1, rec.dp_size)))
         return sorted(out)
 
     def block_sizes(self) -> Mapping[Worker, int | None]:
@@ -150,8 +154,8 @@ class KvRouterFeed:
         if self._sizes_cache is None:
             out: dict[Worker, int | None] = {}
             for inst, rec in self.records.items():
-                for r in range(int(rec.get("dp_size") or 1)):
-                    out[(inst, r)] = rec.get("block_size")
+                for r in range(max(1, rec.dp_size)):
+                    out[(inst, r)] = rec.block_size
             self._sizes_cache = MappingProxyType(out)
         return self._sizes_cache
 
@@ -314,54 +318,31 @@ class KvRouterFeed:
                     self._recover(g.worker[0])
 
     # --- registry ------------------------------------------------------------------------------------
-    async def _watch(self) -> None:
-        assert self._registry is not None
-        while True:
-            try:
-                async for ev in self._registry.watch():
-                    self._on_registry(ev)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # reconnecting server etc.: watch again (entries re-announce)
-                log.warning("KV feed: registry watch failed (%s); re-watching", e)
-                await asyncio.sleep(1.0)
-
-    def _on_registry(self, ev: RegistryEvent) -> None:
+    def _on_record(self, key: str, rec: InstanceRecord) -> None:
+        if not rec.is_worker or (self.model is not None and rec.model != self.model):
+            return
         self._workers_cache.clear()
         self._sizes_cache = None
-        if ev.kind == "removed":
-            known = self.records.pop(ev.key, None) is not None
-            if known:
-                self._departed.add(ev.key)
-            self._bootstrapped.discard(ev.key)
-            task = self._recoveries.pop(ev.key, None)
-            if task is not None:
-                task.cancel()
-            self._buffers.pop(ev.key, None)
-            if known:
-                self.counters["workers_removed"] += 1
-                log.info("KV feed: %s left the registry; dropping its blocks and load", ev.key)
-            self.router.remove_worker(ev.key)
-            self._changed.set()
+        self.records[key] = rec
+        self._departed.discard(key)
+        if rec.role == "decode" or key in self._bootstrapped:
             return
-        rec = _parse_record(ev.value)
-        if rec is None or rec.get("kind") not in WORKER_KINDS:
-            return
-        if self.model is not None and rec.get("model") != self.model:
-            return
-        self.records[ev.key] = rec
-        self._departed.discard(ev.key)
-        if rec.get("role") == "decode" or ev.key in self._bootstrapped:
-            return
-        self._bootstrapped.add(ev.key)
-        self._recover(ev.key, bootstrap=True)
+        self._bootstrapped.add(key)
+        self._recover(key, bootstrap=True)
 
-
-def _parse_record(value: bytes | None) -> dict[str, Any] | None:
-    if not value:
-        return None
-    try:
-        rec = msgspec.json.decode(value)
-    except msgspec.DecodeError:
-        return None
-    return rec if isinstance(rec, Mapping) else None  # type: ignore[return-value]
+    def _on_removed(self, key: str) -> None:
+        self._workers_cache.clear()
+        self._sizes_cache = None
+        known = self.records.pop(key, None) is not None
+        if known:
+            self._departed.add(key)
+        self._bootstrapped.discard(key)
+        task = self._recoveries.pop(key, None)
+        if task is not None:
+            task.cancel()
+        self._buffers.pop(key, None)
+        if known:
+            self.counters["workers_removed"] += 1
+            log.info("KV feed: %s left the registry; dropping its blocks and load", key)
+        self.router.remove_worker(key)
+        self._changed.set()

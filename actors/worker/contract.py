@@ -194,43 +194,6 @@ class LoadReport(msgspec.Struct, kw_only=True):
     ts: float = 0.0
 
 
-class InstanceRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Value in ns-instances: one key per live actor instance (JSON, read by `nats kv get`)."""
-
-    instance: str
-    kind: str  # "engine", "kv_publisher", "lora", "health", "frontend", "router", "echo", ...
-    role: str
-    model: str
-    host: str
-    pid: int
-    pool: str | None = None
-    generate_subject: str | None = None
-    block_size: int | None = None
-    dp_size: int = 1
-    status: str = "ready"
-    started_at: float = 0.0
-
-
-class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Value in ns-models (key: ``<served name>.<pool>``)."""
-
-    served_model_name: str
-    pool: str
-    role: str
-    model_path: str
-    tokenizer_path: str
-    context_length: int
-    kv_block_size: int
-    total_kv_blocks: int
-    dp_size: int = 1
-    migration_limit: int = 3
-    chat_template: str | None = None
-    # the limits a frontend checks requests against (actors.engines.limits); a card written before
-    # they were recorded decodes with no vocabulary (ids checked against int32 only) and vLLM's default
-    vocab_size: int | None = None
-    max_logprobs: int = 20
-
-
 def output_to_chunk(out: EngineOutput, index: int = 0) -> GenerateChunk:
     return GenerateChunk(token_ids=out.token_ids, text=out.text, logprobs=out.logprobs,
                          finish_reason=out.finish_reason, stop_reason=out.stop_reason,

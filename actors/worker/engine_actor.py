@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 
 from actors.base import Actor, Endpoint
 from actors.engines.protocol import Engine
+from actors.instances.contract import InstanceRecord, ModelCard
 from actors.worker import contract as C
 from actors.worker.contract import (
     ClearKvBlocksRequest,
@@ -37,8 +38,6 @@ from actors.worker.contract import (
     GenerateChunk,
     GenerateRequest,
     HealthReply,
-    InstanceRecord,
-    ModelCard,
     SleepRequest,
     StatusReply,
     WakeUpRequest,

@@ -22,8 +22,9 @@ from actors.base import Actor, Endpoint
 from actors.engines.protocol import TokenLogprob
 from actors.frontend.actor import FrontendActor
 from actors.frontend.preprocess import SHARED
+from actors.instances.contract import ModelCard
 from actors.models.tiny import ensure_tiny_model
-from actors.worker.contract import DisaggregatedParams, GenerateChunk, GenerateRequest, ModelCard, Usage
+from actors.worker.contract import DisaggregatedParams, GenerateChunk, GenerateRequest, Usage
 from bus.context import BusContext
 from bus.registry import Registry
 from config.topology import FrontendConfig, ModelConfig

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from actors.worker.contract import InstanceRecord, ModelCard
+from actors.instances.contract import InstanceRecord, ModelCard
 from bus.registry import Registry
 from tests.frontend.conftest import MODEL
 from tests.helpers import eventually

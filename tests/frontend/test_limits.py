@@ -31,7 +31,7 @@ from actors.frontend.limits import MAX_CHOICES, MAX_N
 from actors.frontend.openai_io import parse_chat, parse_completion
 from actors.frontend.preprocess import SHARED
 from actors.frontend.serving import Plan, plan_request
-from actors.worker.contract import ModelCard
+from actors.instances.contract import ModelCard
 from bus.errors import BadRequest
 
 VOCAB = 2048

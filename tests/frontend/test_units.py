@@ -13,7 +13,8 @@ from actors.frontend.detok import TextStream
 from actors.frontend.discovery import Worker, WorkerSet
 from actors.frontend.preprocess import SHARED
 from actors.frontend.routing import DirectRouter, RandomRouter, RoundRobinRouter, make_router
-from actors.worker.contract import InstanceRecord, LoraRecord, ModelCard
+from actors.instances.contract import InstanceRecord, ModelCard
+from actors.worker.contract import LoraRecord
 from bus.errors import BadRequest, NotFound, Overloaded
 
 TEXT = "Hello world, the stop is here: END and then more text after END. Ünïcödé 😀 ok"

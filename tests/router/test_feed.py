@@ -10,11 +10,12 @@ import pytest
 
 from actors.engines.mocker import MockerEngine
 from actors.engines.protocol import SamplingOptions, TokensPrompt
+from actors.instances.contract import InstanceRecord
 from actors.kv import hashing
 from actors.kv.contract import RouterKvEvent
 from actors.router import KvRouter, RouterConfig
 from actors.router.feed import KvRouterFeed
-from actors.worker.contract import InstanceRecord, LoadReport
+from actors.worker.contract import LoadReport
 from actors.worker.kv_publisher import KvPublisherActor
 from bus import codec
 from bus.context import BusContext, open_context

@@ -15,14 +15,13 @@ import pytest
 
 from actors.engines.mocker import MockerEngine
 from actors.engines.protocol import SamplingOptions
+from actors.instances.contract import InstanceRecord, ModelCard
 from actors.worker import contract as C
 from actors.worker.contract import (
     EngineDead,
     GenerateChunk,
     GenerateRequest,
-    InstanceRecord,
     LoadReport,
-    ModelCard,
 )
 from actors.worker.engine_actor import EngineActor
 from bus import subjects as S
