@@ -161,7 +161,7 @@ def make_operator(dirpath: Any) -> dict[str, str]:
     unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "wildcards": True,
                  "conn": -1, "leaf": -1}
     _, op, op_pub = key(nkeys.PREFIX_BYTE_OPERATOR)
-    _, sys_kp, sys_pub = key(nkeys.PREFIX_BYTE_ACCOUNT)
+    _, _, sys_pub = key(nkeys.PREFIX_BYTE_ACCOUNT)
     _, acct, acct_pub = key(nkeys.PREFIX_BYTE_ACCOUNT)
     _, other, other_pub = key(nkeys.PREFIX_BYTE_ACCOUNT)
     op_jwt = jwt(op, op_pub, op_pub, "test-operator", {"type": "operator", "version": 2, "system_account": sys_pub})

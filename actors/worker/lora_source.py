@@ -8,7 +8,7 @@ which ``adapter_config.json`` and ``adapter_model.safetensors`` live.
 
 Outbound fetches follow the pool's ``lora`` settings (``FetchPolicy``), because the URI comes from a
 NATS message: a URL is requested only if ``allow_urls`` admits it, checked before any DNS lookup or
-connection (``url_refusal`` is pure); redirects are followed by hand (at most ``MAX_REDIRECTS``), each
+connection (the rule is lora_urls.py, pure); redirects are followed by hand (at most ``MAX_REDIRECTS``), each
 target checked the same way; an adapter's files together may not exceed ``max_download_bytes``
 (bodies are streamed and counted, archives' declared member sizes too); the whole download, all
 attempts included, is bounded by ``download_timeout``.
@@ -20,19 +20,18 @@ import asyncio
 import hashlib
 import logging
 import os
-import re
 import shutil
 import tarfile
 import zipfile
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlparse, urlsplit
+from urllib.parse import unquote, urlparse
 
 import aiohttp
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 from yarl import URL
 
+from actors.worker.lora_urls import parse_allow_entry, shown, url_refusal
 from bus.errors import BadRequest, Forbidden, NotFound, PayloadTooLarge, RemoteError, RequestTimeout
 
 log = logging.getLogger(__name__)
@@ -41,141 +40,11 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 _ARCHIVES = (".tar.gz", ".tgz", ".tar", ".zip")
 MAX_REDIRECTS = 5
 _REDIRECT_STATUSES = frozenset({301, 302, 303, 307, 308})
-_DEFAULT_PORTS = {"http": 80, "https": 443}
 _CHUNK = 1 << 16
 
 
 class _Retryable(Exception):
     """A download failure worth retrying (connection error, 5xx)."""
-
-
-# --- the allow-list (pure: no DNS, no I/O) ---------------------------------------------------------
-class _Refused(Exception):
-    pass
-
-
-@dataclass(frozen=True)
-class _Target:
-    scheme: str
-    host: str
-    port: int
-    path: str  # raw (percent-encoded, as yarl normalises it) path, "/" at least
-
-
-def _norm_host(host: str | None) -> str:
-    return (host or "").lower().rstrip(".")
-
-
-def _has_dotdot(path: str) -> bool:
-    """A ``..`` segment in ``path``, plain or percent-encoded (any depth), ``\\`` or ``;`` tricks included."""
-    for _ in range(8):
-        if any(seg.split(";", 1)[0] == ".." for seg in re.split(r"[/\\]", path)):
-            return True
-        decoded = unquote(path)
-        if decoded == path:
-            return False
-        path = decoded
-    return True  # still decoding after 8 rounds: refuse rather than guess
-
-
-def _target(url: str) -> tuple[URL, _Target]:
-    """The URL as it will be requested and what the allow-list compares; raises ``_Refused``."""
-    if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F or c == "\\" for c in url):
-        raise _Refused("spaces, control characters and backslashes are not allowed in adapter URLs")
-    split = urlsplit(url)
-    if split.scheme.lower() not in _DEFAULT_PORTS:
-        raise _Refused(f"scheme {split.scheme!r} is not http or https")
-    if "@" in split.netloc:
-        raise _Refused("credentials in the URL (user@host) are not allowed")
-    if _has_dotdot(split.path):
-        raise _Refused("'..' path segments (plain or percent-encoded) are not allowed")
-    try:
-        parsed = URL(url)
-        port = parsed.port
-    except ValueError as e:
-        raise _Refused(f"malformed URL ({e})") from None
-    if parsed.user is not None or parsed.password is not None:
-        raise _Refused("credentials in the URL (user@host) are not allowed")
-    host = _norm_host(parsed.host)
-    if not host or port is None:
-        raise _Refused("the URL has no host")
-    return parsed, _Target(parsed.scheme, host, port, parsed.raw_path or "/")
-
-
-@dataclass(frozen=True)
-class _Entry:
-    host: str
-    port: int | None  # None: the URL scheme's default port
-    scheme: str | None = None  # set for a prefix entry
-    prefix: str | None = None  # prefix entry's path without its trailing "/" ("" = every path)
-
-
-def parse_allow_entry(entry: str) -> _Entry | None:
-    """One ``allow_urls`` entry, or None when it is malformed (a malformed entry admits nothing)."""
-    entry = entry.strip()
-    if not entry or "*" in entry:
-        return None
-    if "://" in entry:
-        try:
-            parsed, t = _target(entry)
-        except _Refused:
-            return None
-        if parsed.raw_query_string or parsed.raw_fragment:
-            return None
-        return _Entry(t.host, t.port, t.scheme, t.path.rstrip("/"))
-    if any(c in entry for c in "/?#@\\") or any(c.isspace() for c in entry):
-        return None
-    try:
-        parsed = URL("http://" + entry)
-        port = parsed.explicit_port
-    except ValueError:
-        return None
-    host = _norm_host(parsed.host)
-    return _Entry(host, port) if host else None
-
-
-def _admits(entry: _Entry, t: _Target) -> bool:
-    if entry.host != t.host:
-        return False
-    if entry.prefix is None:  # host entry: any http(s) path on that host and port
-        return t.port == (entry.port if entry.port is not None else _DEFAULT_PORTS[t.scheme])
-    if entry.scheme != t.scheme or entry.port != t.port:
-        return False
-    return entry.prefix == "" or t.path == entry.prefix or t.path.startswith(entry.prefix + "/")
-
-
-def url_refusal(url: str, allow_urls: Sequence[str]) -> str | None:
-    """Why ``url`` may not be fetched under ``allow_urls``, or None when it may. No DNS, no I/O.
-
-    An entry is a host (``hub.example.com``, ``10.0.0.5:8080``, ``[::1]:8080``): the URL's host equal
-    (case-insensitive, trailing dot ignored) and its port equal to the entry's, or to the scheme's
-    default port when the entry names none; or a URL prefix (``https://hub.example.com/loras/``):
-    scheme, host and port equal and the path equal to the prefix's or below it on a "/" boundary.
-    URLs with credentials, ``..`` segments (also percent-encoded), backslashes or spaces are refused.
-    """
-    if not allow_urls:
-        return "http(s) adapters are disabled"
-    try:
-        _, target = _target(url)
-    except _Refused as e:
-        return str(e)
-    for raw in allow_urls:
-        entry = parse_allow_entry(raw)
-        if entry is not None and _admits(entry, target):
-            return None
-    return "no allow_urls entry admits its host, port and path"
-
-
-def url_allowed(url: str, allow_urls: Sequence[str]) -> bool:
-    return url_refusal(url, allow_urls) is None
-
-
-def _shown(url: str, limit: int = 300) -> str:
-    """``url`` for messages: credentials masked, length capped."""
-    split = urlsplit(url)
-    if "@" in split.netloc:
-        url = url.replace(split.netloc, "***@" + split.netloc.rsplit("@", 1)[1], 1)
-    return url if len(url) <= limit else url[:limit] + "..."
 
 
 @dataclass(frozen=True)
@@ -202,8 +71,8 @@ class FetchPolicy:
         reason = url_refusal(url, self.allow_urls)
         if reason is None:
             return URL(url)
-        via = f" (redirected from {_shown(redirected_from)})" if redirected_from else ""
-        what = f"refusing to fetch LoRA adapter URL {_shown(url)}{via}"
+        via = f" (redirected from {shown(redirected_from)})" if redirected_from else ""
+        what = f"refusing to fetch LoRA adapter URL {shown(url)}{via}"
         if not self.allow_urls:
             raise Forbidden(f"{what}: http(s) adapters are disabled on this pool ({self.setting} is empty); "
                             f"to allow it, add its host or a URL prefix to {self.setting}")
@@ -251,7 +120,7 @@ class _Budget:
         self.uri, self.limit, self.pool, self.used = uri, policy.max_bytes, policy.pool, 0
 
     def too_large(self, what: str) -> PayloadTooLarge:
-        return PayloadTooLarge(f"LoRA adapter {_shown(self.uri)} is too large: {what} exceeds "
+        return PayloadTooLarge(f"LoRA adapter {shown(self.uri)} is too large: {what} exceeds "
                                f"pools.{self.pool}.lora.max_download_bytes ({self.limit} bytes)")
 
     def expect(self, n: int | None) -> None:
@@ -298,7 +167,7 @@ async def _fetch(session: aiohttp.ClientSession, url: str, out: Path, budget: _B
             raise _Retryable(f"{type(e).__name__} for {current}: {e}") from e
         except aiohttp.ClientError as e:
             raise RemoteError(f"adapter download failed: {type(e).__name__} for {current}: {e}", 502) from e
-    raise RemoteError(f"adapter download failed: more than {MAX_REDIRECTS} redirects from {_shown(url)}", 502)
+    raise RemoteError(f"adapter download failed: more than {MAX_REDIRECTS} redirects from {shown(url)}", 502)
 
 
 def _extract(archive: Path, name: str, dest: Path, budget: _Budget) -> None:
@@ -376,7 +245,7 @@ async def download(uri: str, cache_root: str, policy: FetchPolicy = _DENY_ALL, a
         except TimeoutError:
             if not deadline.expired():
                 raise
-            raise RequestTimeout(f"LoRA adapter download from {_shown(uri)} did not finish within "
+            raise RequestTimeout(f"LoRA adapter download from {shown(uri)} did not finish within "
                                  f"pools.{policy.pool}.lora.download_timeout ({policy.timeout:g} s)") from None
         _check_adapter_dir(tmp)
         shutil.rmtree(dest, ignore_errors=True)
@@ -386,7 +255,7 @@ async def download(uri: str, cache_root: str, policy: FetchPolicy = _DENY_ALL, a
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         archive.unlink(missing_ok=True)
-    log.info("downloaded LoRA adapter %s into %s", _shown(uri), dest)
+    log.info("downloaded LoRA adapter %s into %s", shown(uri), dest)
     return dest, True
 
 

@@ -171,8 +171,9 @@ async def test_error_message_is_typed(bus: BusContext) -> None:
     assert got == [{"i": 0}]
 
     async def gen500() -> AsyncIterator[dict[str, int]]:
+        for item in ():  # a generator that raises before its first item
+            yield item
         raise KeyError("oops")
-        yield {}
 
     subj2 = bus.subjects.echo("erring500")
 

@@ -19,7 +19,8 @@ from aiohttp import web
 
 from actors.worker import lora_source
 from actors.worker.lora_actor import fetch_policy
-from actors.worker.lora_source import FetchPolicy, url_allowed, url_refusal
+from actors.worker.lora_source import FetchPolicy
+from actors.worker.lora_urls import parse_allow_entry, url_allowed, url_refusal
 from bus import rpc
 from bus.context import open_context
 from bus.errors import Forbidden, PayloadTooLarge, RemoteError, RequestTimeout
@@ -116,7 +117,7 @@ def test_malformed_entries_admit_nothing(entry: str) -> None:
     for url in ("http://hub.example.com/loras/a", "https://hub.example.com/a", "http://a.example.com/",
                 "http://*.example.com/"):
         assert not url_allowed(url, [entry]), (entry, url)
-    assert lora_source.parse_allow_entry(entry) is None
+    assert parse_allow_entry(entry) is None
 
 
 def test_forbidden_messages_name_url_and_setting() -> None:
