@@ -7,6 +7,10 @@ is CPU, and every default yields to an explicit engine arg or env entry from the
 Roles: ``agg`` serves whole requests; ``prefill`` runs one token with ``do_remote_decode`` and
 returns the connector's ``kv_transfer_params`` (NIXL: where the decode engine pulls the KV from);
 ``decode`` passes those params back to its connector. KV events (ZMQ) are on for agg and prefill.
+
+This module is the engine's lifecycle (build off the event loop, death watch, shutdown) and its
+controls; requests and outputs are translated in vllm_io.py, what the built engine reports about
+itself is read in vllm_facts.py, its arguments are built in vllm_args.py.
 """
 
 from __future__ import annotations
@@ -25,22 +29,18 @@ from actors.engines.protocol import (
     EngineDeadError,
     EngineOutput,
     EngineStats,
-    FinishReason,
     KvEventSource,
     LoraRef,
-    ModelFacts,
     Prompt,
     Role,
     SamplingOptions,
-    TextPrompt,
-    TokenLogprob,
-    TokensPrompt,
 )
+from actors.engines.vllm_facts import kv_event_sources, model_facts
+from actors.engines.vllm_io import engine_output, lora_request, sampling_params, vllm_prompt
 from actors.engines.vllm_stats import StatsSink
 
 logger = logging.getLogger(__name__)
 
-_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 _ROLES = ("agg", "prefill", "decode")
 _DEATH_POLL_S = 0.2
 
@@ -90,10 +90,10 @@ class VllmEngine(Engine):
             llm.engine_core._ensure_output_queue_task()
         if getattr(llm, "output_handler", 1) is None and hasattr(llm, "_run_output_handler"):
             llm._run_output_handler()
-        self.facts = self._model_facts()
+        self.facts = model_facts(llm)
         self._sink.total_kv_blocks = self.facts.total_kv_blocks
         self._sink.ensure_ranks(self.facts.dp_size)
-        self._kv_sources = self._resolve_kv_sources()
+        self._kv_sources = kv_event_sources(llm, self.facts.dp_size)
         self._pin_cpus()
         self._identity = await asyncio.to_thread(self._identity_adapter, llm)
         self._watch = asyncio.create_task(self._watch_death(), name="vllm-engine-death-watch")
@@ -174,82 +174,19 @@ class VllmEngine(Engine):
                        lora: LoraRef | None = None,
                        kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[EngineOutput]:
         llm = self._live()
-        params = self._sampling_params(sampling, kv_transfer_params)
-        stream = llm.generate(self._vllm_prompt(prompt), params, request_id,
-                              lora_request=_lora_request(lora or self._identity))
+        params = sampling_params(sampling, self.role, kv_transfer_params)
+        stream = llm.generate(vllm_prompt(prompt), params, request_id,
+                              lora_request=lora_request(lora or self._identity))
         first = True
         try:
             async for out in stream:
-                yield self._output(out, first, sampling)
+                yield engine_output(out, first, sampling)
                 first = False
         except self._vllm_dead_error as e:
             self._mark_dead(str(e) or "EngineCore died")
             raise EngineDeadError(str(e) or "engine dead") from e
         finally:
             await stream.aclose()  # a consumer that stopped early aborts the request in vLLM
-
-    def _sampling_params(self, s: SamplingOptions, kv_transfer_params: dict[str, Any] | None) -> Any:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-
-        kw: dict[str, Any] = dict(
-            n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-            top_k=s.top_k if s.top_k > 0 else -1, min_p=s.min_p, seed=s.seed,
-            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-            repetition_penalty=s.repetition_penalty, stop=list(s.stop) or None,
-            stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos,
-            min_tokens=s.min_tokens, logprobs=s.logprobs, detokenize=s.detokenize,
-            output_kind=RequestOutputKind.DELTA,
-        )
-        if s.structured is not None:
-            fields = {k: v for k, v in _struct_items(s.structured) if v is not None}
-            kw["structured_outputs"] = StructuredOutputsParams(**fields)
-        extra = dict(s.extra)
-        if extra.get("logit_bias"):
-            # JSON clients of a worker can only send string keys; SamplingParams compares them as ints
-            extra["logit_bias"] = {int(k): float(v) for k, v in extra["logit_bias"].items()}
-        extra_args = dict(extra.pop("extra_args", None) or {})
-        kw.update(extra)
-        if self.role == "prefill":
-            # Prefill only computes the prompt's KV; the connector keeps it for the decode engine.
-            kw.update(max_tokens=1, min_tokens=0)
-            extra_args["kv_transfer_params"] = {**(kv_transfer_params or {}), "do_remote_decode": True}
-        elif kv_transfer_params is not None:
-            extra_args["kv_transfer_params"] = dict(kv_transfer_params)
-        if extra_args:
-            kw["extra_args"] = extra_args
-        try:
-            return SamplingParams(**kw)
-        except TypeError as e:
-            raise ValueError(f"bad sampling options: {e}") from e
-
-    @staticmethod
-    def _vllm_prompt(prompt: Prompt) -> Any:
-        if isinstance(prompt, TokensPrompt):
-            return {"prompt_token_ids": list(prompt.token_ids)}
-        if isinstance(prompt, TextPrompt):
-            return {"prompt": prompt.text}
-        import torch
-
-        tensor = prompt.tensor if isinstance(prompt.tensor, torch.Tensor) else torch.tensor(prompt.tensor)
-        return {"prompt_embeds": tensor}
-
-    def _output(self, out: Any, first: bool, sampling: SamplingOptions) -> EngineOutput:
-        co = out.outputs[0] if out.outputs else None
-        eo = EngineOutput(token_ids=list(co.token_ids) if co else [])
-        if co is not None and sampling.detokenize:
-            eo.text = co.text
-        if co is not None and sampling.logprobs is not None and co.logprobs:
-            eo.logprobs = _logprobs(co.token_ids, co.logprobs, sampling.logprobs)
-        if first and out.prompt_token_ids is not None:
-            eo.num_prompt_tokens = len(out.prompt_token_ids)
-        if first or out.finished:
-            eo.cached_tokens = out.num_cached_tokens
-        if out.finished:
-            reason = co.finish_reason if co is not None else "abort"
-            eo.finish_reason = _FINISH.get(reason or "stop", "stop")
-            eo.stop_reason = co.stop_reason if co is not None else None
-            eo.kv_transfer_params = out.kv_transfer_params
-        return eo
 
     # --- control --------------------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
@@ -270,7 +207,7 @@ class VllmEngine(Engine):
         return bool(await self._live().reset_prefix_cache())
 
     async def add_lora(self, lora: LoraRef) -> bool:
-        return bool(await self._live().add_lora(_lora_request(lora)))
+        return bool(await self._live().add_lora(lora_request(lora)))
 
     async def remove_lora(self, lora: LoraRef) -> bool:
         return bool(await self._live().remove_lora(lora.int_id))
@@ -302,50 +239,7 @@ class VllmEngine(Engine):
     def kv_event_sources(self) -> list[KvEventSource]:
         return list(self._kv_sources)
 
-    # --- facts, processes -----------------------------------------------------------------------
-    def _model_facts(self) -> ModelFacts:
-        cfg = self._llm.vllm_config
-        mc, cc = cfg.model_config, cfg.cache_config
-        eos: list[int] = []
-        hf_eos = getattr(mc.hf_config, "eos_token_id", None)
-        for tid in hf_eos if isinstance(hf_eos, list) else [hf_eos]:
-            if isinstance(tid, int) and tid not in eos:
-                eos.append(tid)
-        tok = getattr(self._llm, "tokenizer", None)
-        if tok is not None and isinstance(getattr(tok, "eos_token_id", None), int) \
-                and tok.eos_token_id not in eos:
-            eos.append(tok.eos_token_id)
-        return ModelFacts(
-            served_model_name=mc.served_model_name or mc.model,
-            model_path=mc.model, tokenizer_path=mc.tokenizer or mc.model,
-            max_model_len=mc.max_model_len, block_size=cc.block_size,
-            total_kv_blocks=int(cc.num_gpu_blocks or 0),
-            dp_size=cfg.parallel_config.data_parallel_size,
-            hidden_size=mc.get_hidden_size(), vocab_size=mc.get_vocab_size(), eos_token_ids=eos,
-            max_logprobs=mc.max_logprobs,
-        )
-
-    def _resolve_kv_sources(self) -> list[KvEventSource]:
-        cfg = self._llm.vllm_config.kv_events_config
-        if cfg is None or not cfg.enable_kv_cache_events or cfg.publisher != "zmq":
-            return []
-        try:
-            by_rank = dict(self._llm.get_kv_event_sources())
-        except AttributeError:  # older vLLM: no resolved endpoints; compute vLLM's port offsets
-            by_rank = {}
-        if not by_rank:
-            from vllm.distributed.kv_events import ZmqEventPublisher
-
-            for rank in range(self.facts.dp_size):
-                by_rank[rank] = type(cfg)(
-                    enable_kv_cache_events=True, publisher="zmq", topic=cfg.topic,
-                    endpoint=ZmqEventPublisher.offset_endpoint_port(cfg.endpoint, rank),
-                    replay_endpoint=ZmqEventPublisher.offset_endpoint_port(cfg.replay_endpoint, rank))
-        return [KvEventSource(dp_rank=rank, endpoint=_connectable(c.endpoint),
-                              replay_endpoint=_connectable(c.replay_endpoint) if c.replay_endpoint else None,
-                              topic=c.topic)
-                for rank, c in sorted(by_rank.items())]
-
+    # --- EngineCore processes -----------------------------------------------------------------------
     def engine_core_pids(self) -> list[int]:
         """PIDs of the EngineCore processes (one per local DP rank), for pinning and fault tests."""
         if self._llm is None:
@@ -378,33 +272,3 @@ def _parse_cores(spec: str) -> list[int]:
         cores.extend(range(int(lo), int(hi or lo) + 1))
     return cores
 
-
-def _connectable(endpoint: str) -> str:
-    """A bound endpoint ("tcp://*:5557") as one a subscriber on this host can connect to."""
-    return endpoint.replace("*", "127.0.0.1")
-
-
-def _lora_request(lora: LoraRef | None) -> Any:
-    if lora is None:
-        return None
-    from vllm.lora.request import LoRARequest
-
-    return LoRARequest(lora.name, lora.int_id, lora.path)
-
-
-def _struct_items(struct: Any) -> list[tuple[str, Any]]:
-    return [(f, getattr(struct, f)) for f in struct.__struct_fields__]
-
-
-def _logprobs(token_ids: Any, per_token: Any, k: int) -> list[TokenLogprob]:
-    """vLLM gives one {token_id: Logprob(logprob, rank, ...)} per generated token; keep the sampled
-    token's logprob and the top-k alternatives by rank (the sampled one included if it is top-k)."""
-    result = []
-    for tid, entries in zip(token_ids, per_token, strict=False):
-        entries = dict(entries or {})
-        chosen = entries.get(tid)
-        top = sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= k),
-                     key=lambda item: item[1].rank)
-        result.append(TokenLogprob(token_id=tid, logprob=float(chosen.logprob) if chosen else float("nan"),
-                                   top=[(t, float(lp.logprob)) for t, lp in top]))
-    return result
