@@ -1,8 +1,8 @@
 """Frontend at zero compute, ours vs NVIDIA Dynamo 1.6.1, measured in one run on one box.
 
 For each stack (ours: `actors.supervisor topologies/mocker-agg.toml`, Dynamo: `dynamo.frontend` +
-`dynamo.mocker` as in the peer kit's up.sh (`$PEER_DIR`, default ../shared/peer), but on free ports) and each routing mode
-(round_robin with 1 mocker worker, kv with 4), one after another:
+`dynamo.mocker` as in the peer kit's up.sh, but on free ports) and each routing mode (round_robin
+with 1 mocker worker, kv with 4), one after another:
 
 1. start the stack, wait until /v1/models lists the model;
 2. warm up with wrk (same settings, --warmup seconds);
@@ -15,7 +15,18 @@ Ours: the frontend lives in the supervisor root process, so "frontend CPU" = the
 workers and nats-server are its children. Dynamo: "frontend CPU" = the dynamo.frontend process;
 stack = nats-server + frontend + mocker trees (what the peer's tree_cpu.py sums).
 
-Usage: .venv/bin/python bench/frontend_bench.py [--rounds 2] [--duration 15] [--json out.json]
+Where the programs outside this repository are (nothing is assumed about this machine's layout):
+
+- ``--peer-dir DIR`` or ``$PEER_DIR``: the peer kit (its ``chat.lua`` drives wrk for both stacks);
+  required.
+- ``--dynamo-venv DIR`` or ``$DYNVV``: Dynamo's virtualenv (``bin/python`` with ``dynamo``,
+  ``bin/nats-server``); required unless ``--only ours``.
+- ``--model-dir DIR`` or ``$MODEL``: the tiny model Dynamo's mocker reads; default: where
+  ``actors.models.tiny`` builds it (``$VLLM_ACTORS_HOME/models/tiny-llama``).
+- ``wrk`` on ``$PATH``.
+
+Usage: .venv/bin/python bench/frontend_bench.py --peer-dir DIR [--dynamo-venv DIR] [--rounds 2]
+       [--duration 15] [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,12 +48,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proc_cpu import cmdline, own_cpu, tree, tree_cpu  # noqa: E402
 
+from actors.models.tiny import tiny_model_dir  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-# The peer kit (chat.lua, up.sh) and Dynamo's venv: from the environment, defaulting to the kit
-# beside the checkout and the venv under the home dir (the kit's install.sh takes its path too).
-PEER = Path(os.environ.get("PEER_DIR", str(ROOT.parent / "shared" / "peer")))
-DYNVV = Path(os.environ.get("DYNVV", str(Path.home() / "peer" / "dyn")))
-MODEL_DIR = Path(os.environ.get("MODEL", str(Path.home() / ".cache/vllm-actors/models/tiny-llama")))
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The programs outside this repository, as given by arguments or the environment."""
+
+    chat_lua: Path  # the peer kit's wrk script
+    dynamo_venv: Path | None  # None: only our stack runs
+    model_dir: Path
 
 
 @dataclass
@@ -101,9 +118,9 @@ def wait_up(port: int, procs: list[subprocess.Popen], timeout: float = 180, poll
     raise RuntimeError(f"stack on :{port} not up after {timeout}s")
 
 
-def run_wrk(port: int, seconds: int, conns: int) -> tuple[str, float]:
+def run_wrk(port: int, seconds: int, conns: int, chat_lua: Path) -> tuple[str, float]:
     env = dict(os.environ, MAX_TOKENS="4", STREAM="true", MODEL_NAME="tiny")
-    cmd = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "-s", str(PEER / "chat.lua"),
+    cmd = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "-s", str(chat_lua),
            f"http://127.0.0.1:{port}"]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cpu = 0.0
@@ -145,6 +162,20 @@ def classify(pid: int) -> str:
     return c.split(" ")[0].rsplit("/", 1)[-1] or "?"
 
 
+def kill_leftovers(pids: list[int]) -> None:
+    """SIGKILL whichever of ``pids`` (a stopped stack's tree, by pid: never by name) still lives."""
+    for q in pids:
+        try:
+            os.kill(q, 0)
+        except OSError:
+            continue
+        print(f"  leftover pid {q} ({cmdline(q)[:80]}): SIGKILL", file=sys.stderr)
+        try:
+            os.kill(q, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 class Stack:
     port: int
     procs: list[subprocess.Popen]
@@ -166,16 +197,7 @@ class Stack:
                 p.kill()
                 p.wait()
         time.sleep(0.5)
-        for q in pids:  # stragglers (grandchildren) of ours only, by pid
-            try:
-                os.kill(q, 0)
-            except OSError:
-                continue
-            print(f"  leftover pid {q} ({cmdline(q)[:80]}): SIGKILL", file=sys.stderr)
-            try:
-                os.kill(q, signal.SIGKILL)
-            except OSError:
-                pass
+        kill_leftovers(pids)
 
 
 class Ours(Stack):
@@ -197,7 +219,8 @@ class Ours(Stack):
 class Dynamo(Stack):
     """up.sh's commands with the HTTP and NATS ports made free ones (up.sh hard-codes 8000)."""
 
-    def __init__(self, mode: str, workers: int, logdir: Path, speedup: str = "1000000") -> None:
+    def __init__(self, mode: str, workers: int, logdir: Path, venv: Path, model_dir: Path,
+                 speedup: str = "1000000") -> None:
         self.port = free_port()
         nats_port = free_port()
         env = dict(os.environ, DYN_DISCOVERY_BACKEND="file", DYN_FILE_KV=str(logdir / "kv"),
@@ -207,18 +230,18 @@ class Dynamo(Stack):
                    DYN_SYSTEM_HOST="127.0.0.1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    DYN_LOG="warn")
         (logdir / "kv").mkdir(parents=True, exist_ok=True)
-        py = str(DYNVV / "bin/python")
+        py = str(venv / "bin/python")
 
         def spawn(name: str, cmd: list[str]) -> subprocess.Popen:
             return subprocess.Popen(cmd, env=env, stdout=open(logdir / f"{name}.log", "w"),
                                     stderr=subprocess.STDOUT)
 
-        nats = spawn("nats", [str(DYNVV / "bin/nats-server"), "-a", "127.0.0.1", "-p", str(nats_port),
+        nats = spawn("nats", [str(venv / "bin/nats-server"), "-a", "127.0.0.1", "-p", str(nats_port),
                               "-js", "-sd", str(logdir / "js")])
         time.sleep(1)
         fe = spawn("frontend", [py, "-m", "dynamo.frontend", "--http-host", "127.0.0.1",
                                 "--http-port", str(self.port), "--router-mode", mode])
-        mk = spawn("mocker", [py, "-m", "dynamo.mocker", "--model-path", str(MODEL_DIR),
+        mk = spawn("mocker", [py, "-m", "dynamo.mocker", "--model-path", str(model_dir),
                               "--model-name", "tiny", "--num-workers", str(workers),
                               "--speedup-ratio", speedup, "--block-size", "16"])
         self.procs = [nats, fe, mk]
@@ -226,15 +249,20 @@ class Dynamo(Stack):
         self.cmd = fe.args + ["&&"] + mk.args
 
 
-def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conns: int) -> Result:
+def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conns: int,
+            peer: Peer) -> Result:
     logdir = Path(tempfile.mkdtemp(prefix=f"fbench-{kind}-{mode}-"))
-    stack: Stack = (Ours(mode, workers, logdir) if kind == "ours"
-                    else Dynamo({"round_robin": "round-robin"}.get(mode, mode), workers, logdir))
+    if kind == "ours":
+        stack: Stack = Ours(mode, workers, logdir)
+    else:
+        assert peer.dynamo_venv is not None  # main() refuses to run Dynamo without it
+        stack = Dynamo({"round_robin": "round-robin"}.get(mode, mode), workers, logdir,
+                       peer.dynamo_venv, peer.model_dir)
     try:
         up = wait_up(stack.port, stack.procs)
         print(f"[{kind} {mode} x{workers}] up after {up:.1f}s on :{stack.port} (logs {logdir})",
               file=sys.stderr)
-        out, _ = run_wrk(stack.port, warmup, conns)
+        out, _ = run_wrk(stack.port, warmup, conns, peer.chat_lua)
         n_w, e_w, *_ = parse_wrk(out)
         if n_w == 0 or e_w:
             raise RuntimeError(f"warm-up failed ({n_w} requests, {e_w} errors):\n{out}")
@@ -244,7 +272,7 @@ def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conn
         fe0, st0, busy0 = own_cpu(stack.frontend_pid), tree_cpu(*stack.roots()), machine_busy()
         with open("/proc/loadavg") as f:
             load = " ".join(f.read().split()[:3])
-        out, wrk_cpu = run_wrk(stack.port, duration, conns)
+        out, wrk_cpu = run_wrk(stack.port, duration, conns, peer.chat_lua)
         fe1, st1, busy1 = own_cpu(stack.frontend_pid), tree_cpu(*stack.roots()), machine_busy()
         per: dict[str, float] = {}
         for q in pids:
@@ -262,6 +290,11 @@ def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conn
         stack.stop()
 
 
+def _env_path(name: str) -> Path | None:
+    value = os.environ.get(name)
+    return Path(value) if value else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=1)
@@ -273,7 +306,18 @@ def main() -> None:
     ap.add_argument("--only", choices=["ours", "dynamo"], default=None)
     ap.add_argument("--modes", default="round_robin,kv")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--peer-dir", type=Path, default=_env_path("PEER_DIR"),
+                    help="the peer kit (chat.lua); default $PEER_DIR")
+    ap.add_argument("--dynamo-venv", type=Path, default=_env_path("DYNVV"),
+                    help="Dynamo's virtualenv (bin/python, bin/nats-server); default $DYNVV")
+    ap.add_argument("--model-dir", type=Path, default=_env_path("MODEL") or tiny_model_dir(),
+                    help="the tiny model for Dynamo's mocker; default $MODEL, else the project's build")
     a = ap.parse_args()
+    if a.peer_dir is None:
+        ap.error("where is the peer kit? give --peer-dir or set PEER_DIR")
+    if a.only != "ours" and a.dynamo_venv is None:
+        ap.error("where is Dynamo's venv? give --dynamo-venv or set DYNVV (or run --only ours)")
+    peer = Peer(a.peer_dir / "chat.lua", a.dynamo_venv, a.model_dir)
     results: list[Result] = []
     for _ in range(a.rounds):
         for mode in a.modes.split(","):
@@ -281,7 +325,7 @@ def main() -> None:
             for kind in ("ours", "dynamo"):
                 if a.only and kind != a.only:
                     continue
-                results.append(measure(kind, mode, workers, a.duration, a.warmup, a.connections))
+                results.append(measure(kind, mode, workers, a.duration, a.warmup, a.connections, peer))
     print("\n| stack | mode | workers | req/s | errors | frontend CPU ms/req | stack CPU ms/req |"
           " per-process CPU s | machine busy s | load before |")
     print("|---|---|---|---|---|---|---|---|---|---|")

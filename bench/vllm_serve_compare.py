@@ -11,7 +11,11 @@ read the server tree's CPU (utime+stime from /proc) around each run, stop it.
          (max_model_len 1024, block_size 32, bfloat16, enforce_eager, 256 MiB KV cache) and env
          (VLLM_ENABLE_V1_MULTIPROCESSING=0, OMP_NUM_THREADS=1).
 
+The tiny model's directory (vLLM's --model and the benchmark's tokenizer): ``--model-dir DIR`` or
+``$MODEL``, default where ``actors.models.tiny`` builds it (``$VLLM_ACTORS_HOME/models/tiny-llama``).
+
 Usage: .venv/bin/python bench/vllm_serve_compare.py [--concurrency 1,16] [--num-prompts 100]
+       [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -27,20 +31,21 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from frontend_bench import free_port, wait_up  # noqa: E402
-from proc_cpu import cmdline, tree, tree_cpu  # noqa: E402
+from frontend_bench import free_port, kill_leftovers, wait_up  # noqa: E402
+from proc_cpu import tree, tree_cpu  # noqa: E402
+
+from actors.models.tiny import tiny_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv/bin/python")
-MODEL_DIR = Path.home() / ".cache/vllm-actors/models/tiny-llama"
 ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 VLLM_ARGS = ["--max-model-len", "1024", "--block-size", "32", "--dtype", "bfloat16",
              "--enforce-eager", "--kv-cache-memory-bytes", "268435456"]
 
 
-def server_cmd(side: str, port: int, workdir: Path) -> list[str]:
+def server_cmd(side: str, port: int, workdir: Path, model_dir: Path) -> list[str]:
     if side == "vllm":
-        return [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(MODEL_DIR),
+        return [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS]
     return [PY, "-m", "actors.supervisor", str(ROOT / "topologies/agg.toml"),
             "--set", f"bus.port={free_port()}", "--set", f"frontend.http=127.0.0.1:{port}",
@@ -52,7 +57,7 @@ def server_cmd(side: str, port: int, workdir: Path) -> list[str]:
 def bench_cmd(port: int, conc: int, n: int, a: argparse.Namespace, out: Path) -> list[str]:
     return [PY, str(ROOT / "bench/vllm_bench_serve.py"),
             "--backend", a.backend, "--base-url", f"http://127.0.0.1:{port}", "--endpoint", a.endpoint,
-            "--model", "tiny", "--tokenizer", str(MODEL_DIR),
+            "--model", "tiny", "--tokenizer", str(a.model_dir),
             "--dataset-name", "random", "--random-input-len", str(a.input_len),
             "--random-output-len", str(a.output_len), "--random-range-ratio", "0",
             "--num-prompts", str(n), "--max-concurrency", str(conc), "--seed", str(a.seed),
@@ -70,21 +75,12 @@ def stop(proc: subprocess.Popen, grace: float = 30) -> None:
         proc.kill()
         proc.wait()
     time.sleep(1)
-    for q in pids:
-        try:
-            os.kill(q, 0)
-        except OSError:
-            continue
-        print(f"  leftover pid {q} ({cmdline(q)[:80]}): SIGKILL", file=sys.stderr)
-        try:
-            os.kill(q, signal.SIGKILL)
-        except OSError:
-            pass
+    kill_leftovers(pids)
 
 
 def run_side(side: str, a: argparse.Namespace, workdir: Path) -> list[dict]:
     port = free_port()
-    cmd = server_cmd(side, port, workdir)
+    cmd = server_cmd(side, port, workdir, a.model_dir)
     print(f"[{side}] {' '.join(cmd)}", file=sys.stderr)
     env = dict(os.environ, **ENGINE_ENV)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(workdir / f"{side}.log", "w"),
@@ -113,7 +109,7 @@ def run_side(side: str, a: argparse.Namespace, workdir: Path) -> list[dict]:
             rows.append(row)
         if a.print_cmd:
             print("bench command: " + " ".join(bench_cmd(port, a.concurrency[0], a.num_prompts, a,
-                                                          Path("/tmp/x.json"))), file=sys.stderr)
+                                                          workdir / "example.json")), file=sys.stderr)
     finally:
         stop(proc)
     return rows
@@ -131,6 +127,8 @@ def main() -> None:
     ap.add_argument("--sides", default="ours,vllm")
     ap.add_argument("--print-cmd", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("MODEL") or tiny_model_dir()),
+                    help="the tiny model's directory; default $MODEL, else the project's build")
     a = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-serve-compare-"))
     print(f"logs and raw results in {workdir}", file=sys.stderr)
