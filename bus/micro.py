@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -101,8 +101,7 @@ class ServiceHandle:
     # --- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         for ep in self._endpoints:
-            ep.sub = await self.nc.subscribe(ep.spec.subject, queue=ep.spec.queue_group or "",
-                                             cb=self._callback(ep))
+            await self._subscribe(ep)
         for verb, handler in (("PING", self._ping), ("INFO", self._info), ("STATS", self._stats)):
             for subj in (f"{PREFIX}.{verb}", f"{PREFIX}.{verb}.{self.name}",
                          f"{PREFIX}.{verb}.{self.name}.{self.id}"):
@@ -115,13 +114,45 @@ class ServiceHandle:
         """Unsubscribe the endpoints except ``keep`` (requests already delivered keep running)."""
         self.accepting = False
         for ep in self._endpoints:
-            if ep.sub is None or ep.spec.name in keep:
-                continue
-            sub, ep.sub = ep.sub, None
-            try:
-                await (sub.drain() if drain_pending else sub.unsubscribe())
-            except Exception as e:  # connection closing: the server drops our interest anyway
-                log.debug("unsubscribe %s: %s", ep.spec.subject, e)
+            if ep.spec.name not in keep:
+                await self._unsubscribe(ep, drain_pending)
+
+    async def pause(self, names: Collection[str]) -> None:
+        """Unsubscribe the named endpoints while the service stays up (e.g. a sleeping worker leaves
+        its queue group, so the group delivers to the others); requests already delivered keep
+        running. ``resume`` subscribes them again."""
+        for ep in self._endpoints:
+            if ep.spec.name in names:
+                await self._unsubscribe(ep, drain=False)
+        await self._sync()
+
+    async def resume(self, names: Collection[str]) -> None:
+        """Subscribe the named endpoints that ``pause`` took off again."""
+        for ep in self._endpoints:
+            if ep.spec.name in names and ep.sub is None:
+                await self._subscribe(ep)
+        await self._sync()
+
+    async def _subscribe(self, ep: _Endpoint) -> None:
+        ep.sub = await self.nc.subscribe(ep.spec.subject, queue=ep.spec.queue_group or "",
+                                         cb=self._callback(ep))
+
+    async def _unsubscribe(self, ep: _Endpoint, drain: bool) -> None:
+        if ep.sub is None:
+            return
+        sub, ep.sub = ep.sub, None
+        try:
+            await (sub.drain() if drain else sub.unsubscribe())
+        except Exception as e:  # connection closing: the server drops our interest anyway
+            log.debug("unsubscribe %s: %s", ep.spec.subject, e)
+
+    async def _sync(self) -> None:
+        """Best effort: the (un)subscriptions have reached the server when this returns (a
+        connection that is down gets them on reconnect anyway)."""
+        try:
+            await self.nc.flush(timeout=2)
+        except Exception as e:
+            log.debug("flush: %s", e)
 
     def in_flight_tasks(self) -> set[asyncio.Task[None]]:
         return set().union(*(ep.tasks for ep in self._endpoints)) if self._endpoints else set()

@@ -16,7 +16,6 @@ actors after it — with a fresh engine that registers again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -358,15 +357,4 @@ class EngineActor(Actor):
         svc = self._service
         if svc is None:
             return
-        for ep in svc._endpoints:  # bus.micro has no per-endpoint pause yet
-            if ep.spec.name not in GENERATE_ENDPOINTS:
-                continue
-            if not on and ep.sub is not None:
-                sub, ep.sub = ep.sub, None
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-            elif on and ep.sub is None:
-                ep.sub = await self.bus.nc.subscribe(ep.spec.subject, queue=ep.spec.queue_group or "",
-                                                     cb=svc._callback(ep))
-        with contextlib.suppress(Exception):
-            await self.bus.nc.flush(timeout=2)
+        await (svc.resume(GENERATE_ENDPOINTS) if on else svc.pause(GENERATE_ENDPOINTS))

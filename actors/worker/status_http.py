@@ -61,10 +61,7 @@ class StatusServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
-        if self.port == 0 and site._server is not None:  # tests: learn the bound port
-            sockets = getattr(site._server, "sockets", None) or []
-            if sockets:
-                self.port = sockets[0].getsockname()[1]
+        self.port = site.port  # the bound one: port 0 (tests) asks the kernel for a free port
         log.info("status server on %s:%d", self.host, self.port)
 
     async def stop(self) -> None:
