@@ -30,11 +30,7 @@ import pathlib
 import random
 import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -45,6 +41,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actors.kv.hashing import sequence_hashes  # noqa: E402
+from bench.deployment import Deployment  # noqa: E402
 from bench.prefix_sim import fixed_chooser, oracle_chooser, replay  # noqa: E402
 
 TOPOLOGY = "topologies/mocker-kv.toml"
@@ -93,96 +90,6 @@ def build_workload(a: argparse.Namespace) -> Workload:
     prompts = [prefixes[g] + text_tokens(tok, rng, f"Question {q} of group {g}:", a.question_tokens)
                for g, q in order]
     return Workload(prompts=prompts, groups=[g for g, _ in order])
-
-
-# --- deployment ------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Deployment:
-    """One supervisor process (own session, so its whole tree can be killed) per router mode."""
-
-    def __init__(self, mode: str, tag: str) -> None:
-        # "kv@S" = the kv router with frontend.prefill_load_scale=S (the topology's value otherwise)
-        router, _, scale = mode.partition("@")
-        self.mode = mode
-        self.bus_port, self.http_port = free_port(), free_port()
-        self.ns = f"spb{tag}{re.sub(r'[^a-z0-9]', '', mode)}"
-        self.run_dir = tempfile.mkdtemp(prefix=f"shared-prefix-{router}-")
-        self.cmd = [sys.executable, "-m", "actors.supervisor", TOPOLOGY,
-                    "--set", f"bus.port={self.bus_port}",
-                    "--set", f"frontend.http=127.0.0.1:{self.http_port}",
-                    "--set", f"frontend.router={router}", "--set", f"namespace={self.ns}",
-                    "--set", f"run_dir={self.run_dir}", "--log-level", "WARNING"]
-        if scale:
-            self.cmd += ["--set", f"frontend.prefill_load_scale={float(scale)}"]
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log_path = pathlib.Path(self.run_dir) / "supervisor.log"
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
-
-    def start(self) -> None:
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child process
-        self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    async def wait_ready(self, session: aiohttp.ClientSession, workers: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"supervisor exited ({self.proc.returncode}); see {self.log_path}")
-            try:
-                async with session.get(self.url + "/health") as r:
-                    body = await r.json()
-                    if len(body.get("instances", [])) >= workers:
-                        return
-            except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError):
-                pass
-            await asyncio.sleep(0.5)
-        raise TimeoutError(f"{workers} workers not ready after {timeout}s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        # workers and nats-server start their own sessions, so remember the whole tree first
-        tree = descendants(self.proc.pid)
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=45)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        time.sleep(0.5)
-        for pid in tree:  # anything of the tree still alive (a child that ignored the shutdown)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-def descendants(root: int) -> list[int]:
-    """Pids of every process below ``root`` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for d in pathlib.Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
 
 
 # --- client ----------------------------------------------------------------------------------------
@@ -270,7 +177,7 @@ async def scrape_router_hit_rate(url: str) -> float | None:
 
 
 async def run_mode(mode: str, w: Workload, a: argparse.Namespace, tag: str) -> dict:
-    dep = Deployment(mode, tag)
+    dep = Deployment(TOPOLOGY, mode, tag)
     dep.start()
     try:
         async with aiohttp.ClientSession() as s:
