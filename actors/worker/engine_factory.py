@@ -5,35 +5,17 @@ Imports are lazy so a mocker worker never imports vllm (seconds of start-up and 
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 import os
-import socket
 from collections.abc import Callable
 from typing import Any
 
 from actors.engines.protocol import Engine
+from bus.embedded import free_port
 from config.topology import ModelConfig, PoolConfig
 
 log = logging.getLogger(__name__)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _kw(cls: Any, candidates: dict[str, Any]) -> dict[str, Any]:
-    """Keep the keyword arguments the engine class accepts (the engines evolve independently)."""
-    try:
-        params = inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        return candidates
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return candidates
-    return {k: v for k, v in candidates.items() if k in params}
 
 
 def _model_vocab_size(path: str) -> int | None:
@@ -70,8 +52,9 @@ def engine_env(pool: PoolConfig, replica: int, cpu_slot: int | None) -> dict[str
 
 
 def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port: int | None = None,
-                 seed: int | None = None, replica: int = 0, cpu_slot: int | None = None) -> Engine:
-    """A fresh, not yet started engine for ``pool``. Decode workers publish no KV events."""
+                 seed: int = 0, replica: int = 0, cpu_slot: int | None = None) -> Engine:
+    """A fresh, not yet started engine for ``pool``. Decode workers publish no KV events.
+    ``seed`` is a mocker's "weights" (a vLLM engine takes none here)."""
     served = model.name if model else "model"
     args: dict[str, Any] = dict(pool.engine_args)
     if model is not None and model.context_length is not None:
@@ -90,9 +73,8 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port:
             vocab = _model_vocab_size(model.path)
             if vocab is not None:
                 args["vocab_size"] = vocab
-        kw = _kw(MockerEngine, {"role": pool.role, "served_model_name": served,
-                                "kv_events_port": kv_events_port, "seed": seed})
-        return MockerEngine(args, **kw)
+        return MockerEngine(args, role=pool.role, served_model_name=served, kv_events_port=kv_events_port,
+                            seed=seed)
     from actors.engines.vllm_engine import VllmEngine
 
     if pool.role != "decode" and kv_events_port is None:
@@ -104,13 +86,11 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port:
             args.setdefault("tokenizer", model.tokenizer)
     if pool.prompt_embeds:
         args.setdefault("enable_prompt_embeds", True)
-    kw = _kw(VllmEngine, {"role": pool.role, "served_model_name": served,
-                          "kv_events_port": kv_events_port, "env": engine_env(pool, replica, cpu_slot),
-                          "identity_lora": pool.lora.identity_adapter})
-    return VllmEngine(args, **kw)
+    return VllmEngine(args, role=pool.role, served_model_name=served, kv_events_port=kv_events_port,
+                      env=engine_env(pool, replica, cpu_slot), identity_lora=pool.lora.identity_adapter)
 
 
-def factory_for(pool: PoolConfig, model: ModelConfig | None, *, seed: int | None = None, replica: int = 0,
+def factory_for(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, replica: int = 0,
                 cpu_slot: int | None = None) -> Callable[[], Engine]:
     """A zero-argument builder: each restart of the engine actor gets a fresh engine (and port)."""
     return lambda: build_engine(pool, model, seed=seed, replica=replica, cpu_slot=cpu_slot)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
 import logging
 import os
 import secrets
@@ -32,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from actors.engines.protocol import Engine
 from actors.worker import contract as C
+from actors.worker import kv_publisher, lora_actor
 from actors.worker.checkpoint import RESTORE_DONE, prepare
 from actors.worker.contract import HealthReply, LivenessReply
 from actors.worker.engine_actor import EngineActor
@@ -39,7 +39,7 @@ from actors.worker.engine_factory import factory_for
 from actors.worker.health import HealthMonitor
 from actors.worker.metrics import engine_metrics
 from actors.worker.status_http import StatusServer, status_bind_host
-from bus import rpc
+from bus import event_loop, rpc
 from bus.connection import until_closed
 from bus.context import BusContext, open_context
 from bus.tasks import cancel_and_wait
@@ -77,27 +77,9 @@ class WorkerEnv:
 ChildFactory = Callable[[WorkerEnv], ChildSpec | None]
 
 # Actors that depend on the engine and therefore sit *after* it in rest_for_one order (an engine
-# restart restarts them too), in this order. Each module opts in by defining
-# ``worker_child(env: WorkerEnv) -> ChildSpec | None`` (None: not for this pool, e.g. no KV publisher
-# on decode workers); a module that does not exist yet, or has no such function, is skipped.
-ENGINE_DEPENDANT_MODULES = ("actors.worker.kv_publisher", "actors.worker.lora_actor")
-# Factories added programmatically (tests, embedding applications) after the modules above.
-ENGINE_DEPENDANTS: list[ChildFactory] = []
-
-
-def dependant_factories() -> list[ChildFactory]:
-    out: list[ChildFactory] = []
-    for name in ENGINE_DEPENDANT_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        fn = getattr(mod, "worker_child", None)
-        if callable(fn):
-            out.append(fn)
-    return out + ENGINE_DEPENDANTS
+# restart restarts them too), in this order. Each factory returns None when its actor is not for
+# this pool (e.g. no KV publisher on decode workers, no LoRA manager without enable_lora).
+ENGINE_DEPENDANTS: tuple[ChildFactory, ...] = (kv_publisher.worker_child, lora_actor.worker_child)
 
 
 def cpu_slot(t: Topology, pool_name: str, replica: int) -> int:
@@ -143,7 +125,7 @@ def build_children(env: WorkerEnv, engine_factory: Callable[[], Engine] | None =
 
     shutdown = pool.supervisor.shutdown_timeout + pool.sleep.drain_timeout
     specs = [ChildSpec("engine", engine, "permanent", shutdown, meta={"instance": env.instance})]
-    for make in dependant_factories():
+    for make in ENGINE_DEPENDANTS:
         spec = make(env)
         if spec is not None:
             specs.append(spec)
@@ -323,11 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.replica <= MAX_REPLICA:
         print(f"error: replica {args.replica} out of range (0..{MAX_REPLICA})", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        import uvloop
-        return uvloop.run(run_worker(t, args.pool, args.replica))
-    except ImportError:
-        return asyncio.run(run_worker(t, args.pool, args.replica))
+    return event_loop.run(run_worker(t, args.pool, args.replica))
 
 
 if __name__ == "__main__":

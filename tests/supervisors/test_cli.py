@@ -17,16 +17,12 @@ from pathlib import Path
 import nats
 import pytest
 
+from bus.embedded import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 ECHO = ROOT / "topologies" / "echo.toml"
 PY = sys.executable
 BOOT_TIMEOUT = 30.0  # generous: the test machine is shared; nothing asserts on speed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
