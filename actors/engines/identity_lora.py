@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from config.paths import vllm_actors_home
+
 log = logging.getLogger(__name__)
 
 IDENTITY_LORA_NAME = "__base_identity__"
@@ -45,7 +47,7 @@ def ensure_identity_adapter(hf_config: Any, rank: int, root: str | Path | None =
 
     shape = _shape(hf_config)
     key = hashlib.sha256(json.dumps({**shape, "rank": rank}, sort_keys=True).encode()).hexdigest()[:16]
-    base = Path(root or os.environ.get("VLLM_ACTORS_HOME", "~/.cache/vllm-actors")).expanduser()
+    base = Path(root).expanduser() if root else vllm_actors_home()
     out = base / "identity-loras" / key
     if (out / "adapter_model.safetensors").is_file():
         return out

@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from config.paths import vllm_actors_home
+
 logger = logging.getLogger(__name__)
 
 BUILDER_VERSION = 1
@@ -76,10 +78,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-
-
-def vllm_actors_home() -> Path:
-    return Path(os.environ.get("VLLM_ACTORS_HOME") or Path.home() / ".cache" / "vllm-actors")
 
 
 def tiny_model_dir() -> Path:

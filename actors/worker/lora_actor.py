@@ -13,7 +13,6 @@ if the whole worker is gone they expire with the bucket's TTL.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +35,7 @@ from bus import rpc
 from bus.context import BusContext
 from bus.errors import RemoteError
 from bus.registry import Registry
+from config.paths import vllm_actors_home
 from config.topology import LoraConfig
 from supervisors.child import ChildSpec
 
@@ -173,11 +173,11 @@ def worker_child(env: WorkerEnv) -> ChildSpec | None:
     if not args.get("enable_lora"):
         return None
     model = env.topology.model.name if env.topology.model else ""
-    home = os.environ.get("VLLM_ACTORS_HOME", os.path.expanduser("~/.cache/vllm-actors"))
+    cache_dir = str(vllm_actors_home() / "loras")
 
     def make() -> LoraActor:
         return LoraActor(env.ctx.child(), worker_instance=env.instance, pool_name=env.pool_name, model=model,
                          role=env.pool.role, config=env.pool.lora, max_loras=int(args.get("max_loras", 1)),
-                         cache_dir=os.path.join(home, "loras"))
+                         cache_dir=cache_dir)
 
     return ChildSpec("lora", make, "permanent", 5.0)
