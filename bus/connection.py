@@ -12,7 +12,6 @@ import asyncio
 import collections
 import logging
 import os
-import random
 import ssl
 import time
 import weakref
@@ -21,6 +20,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
+from bus.backoff import Backoff
 from config.secrets import password, token
 from config.topology import BusConfig, BusTLS
 
@@ -29,27 +29,21 @@ log = logging.getLogger(__name__)
 RECONNECT_BASE = 0.25  # first retry delay (s)
 RECONNECT_MAX = 5.0  # cap of the exponential backoff (s)
 RECONNECT_JITTER = 0.5  # +-50 % of the delay
-# After a bus outage every process reconnects on its own backoff, the last up to
-# RECONNECT_MAX * (1 + RECONNECT_JITTER) after the server is back. Until then "no responders" from
-# another process says it has not reconnected yet, not that it is dead.
+RECONNECT = Backoff(initial=RECONNECT_BASE, max=RECONNECT_MAX, multiplier=2.0, jitter=RECONNECT_JITTER)
+# After a bus outage every process reconnects on its own backoff, the last at most RECONNECT_MAX
+# (Backoff caps the jittered delay) after the server is back, plus its connect. Until then "no
+# responders" from another process says it has not reconnected yet, not that it is dead. The window
+# is that bound with room to spare: a full jitter above the cap, and half a second for the connect.
 SETTLE_S = RECONNECT_MAX * (1 + RECONNECT_JITTER) + 0.5
 
 # when each connection last came back from an outage (weak keys: this never keeps a client alive)
 _reconnected_at: weakref.WeakKeyDictionary[Client, float] = weakref.WeakKeyDictionary()
 
 
-def backoff_delay(attempt: int, base: float = RECONNECT_BASE, cap: float = RECONNECT_MAX,
-                  jitter: float = RECONNECT_JITTER, rng: random.Random | None = None) -> float:
-    """Delay before reconnect attempt ``attempt`` (0-based): base * 2^attempt, capped, jittered."""
-    r = rng or random
-    delay = min(cap, base * (2 ** min(attempt, 30)))
-    return max(0.0, delay * (1.0 + jitter * (2.0 * r.random() - 1.0)))
-
-
 def _reconnect_handler(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
     # Least-tried server first; its retry count drives the backoff.
     server = min(servers, key=lambda s: s.reconnects)
-    return server, backoff_delay(server.reconnects)
+    return server, RECONNECT.delay(server.reconnects)
 
 
 def ssl_context(tls: BusTLS) -> ssl.SSLContext:

@@ -7,7 +7,7 @@ import pytest
 
 from actors.worker.contract import EngineDead
 from bus import codec
-from bus.connection import backoff_delay, connect_options
+from bus.connection import RECONNECT, connect_options
 from bus.context import BusContext
 from bus.embedded import nats_server_binary
 from bus.errors import BadRequest, NotFound, Overloaded, RemoteError, RequestTimeout, Unavailable
@@ -68,5 +68,5 @@ def test_binary_and_connect_options(tmp_path) -> None:  # type: ignore[no-untype
     o = connect_options(BusConfig(url="nats://a:1,nats://b:2", auth=BusAuth(user="u", password="p")), "x")
     assert o["servers"] == ["nats://a:1", "nats://b:2"] and (o["user"], o["password"]) == ("u", "p")
     assert connect_options(BusConfig(url="nats://a:1", auth=BusAuth(token="t")), "x")["token"] == "t"
-    delays = [backoff_delay(i) for i in range(10)]
+    delays = [RECONNECT.delay(i) for i in range(10)]
     assert all(0 < d <= 5.0 * 1.5 for d in delays) and delays[6] > delays[0]
