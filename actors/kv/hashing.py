@@ -96,6 +96,3 @@ def sequence_hashes(tokens: Sequence[int], block_size: int, lora_name: str | Non
     seed = hash_seed(lora_name, salt)
     return chain_hashes(block_hashes_seeded(tokens, block_size, seed), seed)
 
-
-def num_full_blocks(num_tokens: int, block_size: int) -> int:
-    return num_tokens // block_size
