@@ -1,4 +1,4 @@
-"""KV-aware routing (pure logic; the NATS transport lives elsewhere).
+"""KV-aware routing: the logic, its transport from NATS, and its NATS endpoints.
 
 - :mod:`actors.router.index`: exact KV index fed by KV events (gap detection, dump/range recovery)
 - :mod:`actors.router.approx`: index fed by the router's own decisions (TTL): the approx-mode index, and
@@ -7,14 +7,6 @@
 - :mod:`actors.router.cost`: cost function and selection
 - :mod:`actors.router.kv_router`: the facade the frontend calls per request
 - :mod:`actors.router.metrics`: Prometheus metrics on an explicit registry
+- :mod:`actors.router.feed`: KV events, load reports and the registry from NATS into a KvRouter
+- :mod:`actors.router.service`: the router's NATS endpoints, answered from the frontend's router
 """
-
-from actors.router.approx import ApproxIndex
-from actors.router.cost import CostSelector, RouterConfig, RoutingDecision, WorkerCost
-from actors.router.index import Gap, KvIndex
-from actors.router.kv_router import KvRouter
-from actors.router.load import LoadTracker
-from actors.router.metrics import RouterMetrics
-
-__all__ = ["ApproxIndex", "CostSelector", "Gap", "KvIndex", "KvRouter", "LoadTracker", "RouterConfig",
-           "RouterMetrics", "RoutingDecision", "WorkerCost"]

@@ -6,7 +6,9 @@ from collections import Counter
 
 import pytest
 
-from actors.router import CostSelector, LoadTracker, RouterConfig, RouterMetrics
+from actors.router.cost import CostSelector, RouterConfig
+from actors.router.load import LoadTracker
+from actors.router.metrics import RouterMetrics
 from actors.worker.contract import LoadReport
 from bus.errors import Overloaded
 

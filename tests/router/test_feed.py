@@ -13,8 +13,9 @@ from actors.engines.protocol import SamplingOptions, TokensPrompt
 from actors.instances.contract import InstanceRecord
 from actors.kv import hashing
 from actors.kv.contract import RouterKvEvent
-from actors.router import KvRouter, RouterConfig
+from actors.router.cost import RouterConfig
 from actors.router.feed import KvRouterFeed
+from actors.router.kv_router import KvRouter
 from actors.worker.contract import LoadReport
 from actors.worker.kv_publisher import KvPublisherActor
 from bus import codec

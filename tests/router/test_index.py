@@ -10,7 +10,11 @@ from actors.engines import kv_events as ve
 from actors.kv import hashing
 from actors.kv.contract import RouterKvEvent, StoredBlock
 from actors.kv.translate import KvPublisherMetrics, KvTranslator
-from actors.router import ApproxIndex, KvIndex, KvRouter, RouterConfig, RouterMetrics
+from actors.router.approx import ApproxIndex
+from actors.router.cost import RouterConfig
+from actors.router.index import KvIndex
+from actors.router.kv_router import KvRouter
+from actors.router.metrics import RouterMetrics
 
 BS = 4
 

@@ -1,6 +1,6 @@
 """Active load bookkeeping and reconciliation with worker load reports."""
 
-from actors.router import LoadTracker
+from actors.router.load import LoadTracker
 from actors.worker.contract import LoadReport
 
 BS = 16

@@ -6,7 +6,9 @@ import random
 
 from actors.kv import hashing
 from actors.kv.contract import KvSnapshot, RouterKvEvent, StoredBlock
-from actors.router import KvRouter, RouterConfig, RouterMetrics
+from actors.router.cost import RouterConfig
+from actors.router.kv_router import KvRouter
+from actors.router.metrics import RouterMetrics
 from tests.router.test_index import FakeEngine
 
 BS = 4
