@@ -172,6 +172,8 @@ class GuardedServer(web.Server):
         self.events = _Digest(logging.INFO)
 
     def __call__(self) -> GuardedConnection:
+        # aiohttp has no public way to choose a server's connection class (or to hook a connection's
+        # opening, bytes or end): overriding the protocol factory is the one seam, pinned by the tests
         return GuardedConnection(self, loop=asyncio.get_running_loop(), **self._conn_kwargs)
 
     # --- the connection slots ------------------------------------------------------------------------
