@@ -293,20 +293,6 @@ def _sample(m: KvPublisherMetrics, name: str) -> int:
     return int(m.registry.get_sample_value(name) or 0)
 
 
-_process_metrics: KvPublisherMetrics | None = None
-
-
-def _metrics() -> KvPublisherMetrics:
-    """One set of publisher counters per process, on the default registry the worker's /metrics
-    exports (a restarted publisher must not register the same counters twice)."""
-    global _process_metrics
-    if _process_metrics is None:
-        import prometheus_client
-
-        _process_metrics = KvPublisherMetrics(prometheus_client.REGISTRY)
-    return _process_metrics
-
-
 def worker_child(env: WorkerEnv) -> ChildSpec | None:
     """The worker's KV publisher: none for decode workers (their blocks are never routed to)."""
     if env.pool.role == "decode":
@@ -319,6 +305,6 @@ def worker_child(env: WorkerEnv) -> ChildSpec | None:
         info = await rpc.request(ctx.nc, ctx.subjects.worker(env.instance, C.ENGINE_KV_SOURCES), {},
                                  timeout=10.0, reply_type=C.EngineKvSources)
         return KvPublisherActor(ctx, env.instance, env.pool.role, model, info.block_size, info.sources,
-                                metrics=_metrics())
+                                metrics=env.kv_metrics)
 
     return ChildSpec("kv_publisher", lambda: LazyChild("kv_publisher", build), "permanent", 5.0)

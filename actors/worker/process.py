@@ -24,12 +24,13 @@ import secrets
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from actors.engines.protocol import Engine
+from actors.kv.translate import KvPublisherMetrics
 from actors.worker import contract as C
 from actors.worker import kv_publisher, lora_actor
 from actors.worker.checkpoint import RESTORE_DONE, prepare
@@ -71,6 +72,9 @@ class WorkerEnv:
     replica: int
     instance: str  # the engine actor's instance id (stable across engine restarts in this process)
     node: str  # the worker supervisor's node name
+    # the KV publisher's counters, on a registry of this worker's own that /metrics exports: they
+    # outlive a restarted publisher, which keeps counting on the same series
+    kv_metrics: KvPublisherMetrics = field(default_factory=KvPublisherMetrics)
     engine_actor: EngineActor | None = None  # the current engine actor (for /metrics only)
 
 
@@ -249,7 +253,8 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
     if pool.status_port is not None:
         def render() -> tuple[bytes, str]:
             a = env.engine_actor
-            return a.metrics.render() if a is not None else (engine_metrics(), CONTENT_TYPE_LATEST)
+            body = a.metrics.render()[0] if a is not None else engine_metrics()
+            return body + generate_latest(env.kv_metrics.registry), CONTENT_TYPE_LATEST
 
         status = StatusServer(pool.status_port + replica if pool.status_port else 0, ready_check(env), render,
                               host=status_bind_host(pool, t.frontend),
