@@ -12,7 +12,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,14 +20,9 @@ import time
 import aiohttp
 
 from bench.proc_cpu import tree
+from bus.embedded import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Deployment:

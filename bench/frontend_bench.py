@@ -36,7 +36,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proc_cpu import cmdline, own_cpu, tree, tree_cpu  # noqa: E402
 
 from actors.models.tiny import tiny_model_dir  # noqa: E402
+from bus.embedded import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,12 +86,6 @@ class Result:
     @property
     def stack_ms_per_req(self) -> float:
         return 1000 * self.stack_cpu_s / max(self.requests, 1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def machine_busy() -> float:
