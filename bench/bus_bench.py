@@ -33,7 +33,7 @@ from bus.subjects import Subjects  # noqa: E402
 
 ACTOR = r"""
 import asyncio, sys
-from actors.echo import EchoActor
+from actors.echo.actor import EchoActor
 from bus.context import open_context
 
 import time

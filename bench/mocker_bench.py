@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from actors.engines.mocker import MockerEngine  # noqa: E402
+from actors.engines.mocker.engine import MockerEngine  # noqa: E402
 from actors.engines.protocol import SamplingOptions, TokensPrompt  # noqa: E402
 
 

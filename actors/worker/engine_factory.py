@@ -65,7 +65,7 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port:
         # no port picked here: the mocker binds its publisher and replay sockets to ports the
         # kernel chooses (a port picked free beforehand can be taken by the time it binds, and
         # its replay socket's base+1 was never checked at all)
-        from actors.engines.mocker import MockerEngine
+        from actors.engines.mocker.engine import MockerEngine
 
         if model is not None and "vocab_size" not in args:
             # pseudo-tokens must be ids the model's tokenizer can detokenize: the mocker's default

@@ -9,8 +9,7 @@ from collections.abc import AsyncIterator, Mapping
 import pytest
 
 from actors.base import Actor, Endpoint
-from actors.echo import EchoActor
-from actors.echo.actor import EchoCrash
+from actors.echo.actor import EchoActor, EchoCrash
 from actors.echo.contract import EchoReply, StreamChunk
 from bus import subjects as S
 from bus.context import BusContext

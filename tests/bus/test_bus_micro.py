@@ -13,7 +13,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from actors.base import Actor, Endpoint
-from actors.echo import EchoActor
+from actors.echo.actor import EchoActor
 from bus import subjects as S
 from bus.context import BusContext
 from bus.errors import BadRequest, NotFound

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from nats.aio.msg import Msg
 
-from actors.echo import EchoActor
+from actors.echo.actor import EchoActor
 from bus import subjects as S
 from bus.context import BusContext
 from bus.errors import BadRequest

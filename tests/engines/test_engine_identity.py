@@ -113,7 +113,7 @@ async def run_scenario(engine: Engine, lora: LoraRef) -> Capture:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def captures(agg_engine) -> dict[str, Capture]:
-    from actors.engines.mocker import MockerEngine
+    from actors.engines.mocker.engine import MockerEngine
     from actors.models.tiny import tiny_lora_dir
 
     lora = LoraRef(name=LORA_NAME, int_id=1, path=str(tiny_lora_dir(agg_engine.facts.model_path)))

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from actors.engines.mocker import MockerEngine
+from actors.engines.mocker.engine import MockerEngine
 from actors.engines.mocker.tokens import predict_output, tokenize_text
 from actors.engines.protocol import (
     EmbedsPrompt,

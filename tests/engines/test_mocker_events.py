@@ -10,7 +10,7 @@ import zmq
 import zmq.asyncio
 
 from actors.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_batch
-from actors.engines.mocker import MockerEngine
+from actors.engines.mocker.engine import MockerEngine
 from actors.engines.mocker.kv_events import END_SEQ
 from actors.engines.protocol import SamplingOptions, TokensPrompt
 

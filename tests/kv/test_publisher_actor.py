@@ -15,7 +15,7 @@ import zmq
 import zmq.asyncio
 
 from actors.engines.kv_events import KVEventBatch, encode_message, stored
-from actors.engines.mocker import MockerEngine
+from actors.engines.mocker.engine import MockerEngine
 from actors.engines.protocol import KvEventSource, SamplingOptions, TokensPrompt
 from actors.kv import hashing
 from actors.kv.contract import KvDumpReply, KvRangeReply, RouterKvEvent, decode_event

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from actors.engines.mocker import MockerEngine
+from actors.engines.mocker.engine import MockerEngine
 from actors.engines.protocol import SamplingOptions, TokensPrompt
 from actors.instances.contract import InstanceRecord
 from actors.kv import hashing

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from actors.base import Actor
-from actors.engines.mocker import MockerEngine
+from actors.engines.mocker.engine import MockerEngine
 from actors.engines.protocol import SamplingOptions, TokensPrompt
 from actors.frontend.actor import FrontendActor
 from actors.kv import hashing

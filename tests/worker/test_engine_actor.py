@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors.engines.mocker import MockerEngine
+from actors.engines.mocker.engine import MockerEngine
 from actors.engines.protocol import SamplingOptions
 from actors.instances.contract import InstanceRecord, ModelCard
 from actors.worker import contract as C

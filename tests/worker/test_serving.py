@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from actors.engines.mocker import MockerEngine
+from actors.engines.mocker.engine import MockerEngine
 from actors.engines.protocol import SamplingOptions
 from actors.worker.contract import (
     EngineDead,

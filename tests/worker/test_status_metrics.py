@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from actors.engines.mocker import MockerEngine
+from actors.engines.mocker.engine import MockerEngine
 from actors.worker.metrics import WorkerMetrics, engine_metrics
 from actors.worker.serving import EngineService
 from actors.worker.sleep import SleepController

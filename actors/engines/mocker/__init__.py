@@ -1,6 +1,2 @@
-"""A simulated vLLM engine (scheduler, KV pool, timing model, vLLM-identical KV events)."""
-
-from actors.engines.mocker.config import MockerArgs
-from actors.engines.mocker.engine import MockerEngine
-
-__all__ = ["MockerArgs", "MockerEngine"]
+"""A simulated vLLM engine (scheduler, KV pool, timing model, vLLM-identical KV events); the engine is
+``actors.engines.mocker.engine.MockerEngine``."""
