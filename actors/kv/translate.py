@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
 
 import msgspec
 import xxhash
@@ -295,10 +294,3 @@ def _extras_without_lora(extra: object, lora_name: str | None) -> tuple:
     if lora_name is not None and items and items[0] == lora_name:
         items = items[1:]
     return items
-
-
-def translate_all(translator: KvTranslator, batches: Iterable[KVEventBatch]) -> list[RouterKvEvent]:
-    out: list[RouterKvEvent] = []
-    for b in batches:
-        out.extend(translator.translate(b))
-    return out
