@@ -79,10 +79,6 @@ class Subjects:
     def router(self, verb: str) -> str:
         return f"{self.ns}.router.{verb}"
 
-    # planner
-    def planner(self, verb: str) -> str:
-        return f"{self.ns}.planner.{verb}"
-
     # any actor's per-instance control subject (e.g. the stream ``cancel`` endpoint)
     def actor(self, kind: str, instance: str, verb: str) -> str:
         """``ns.<kind>.<instance>.<verb>``; for kind "worker" this equals ``worker(instance, verb)``."""
