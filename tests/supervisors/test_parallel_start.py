@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from bus.backoff import Backoff
 from bus.errors import Unavailable
 from config.loader import TopologyError, topology_from_dict
 from deploy.tree import describe_plan, plan_host
-from bus.backoff import Backoff
 from supervisors.child import ChildSpec, Escalation
 from supervisors.process import ProcessChild
 from supervisors.supervisor import Supervisor

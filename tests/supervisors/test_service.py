@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from bus.backoff import Backoff
 from bus.errors import BadRequest, Conflict, NotFound
 from bus.rpc import request
-from bus.backoff import Backoff
 from supervisors.child import ChildSpec, Escalation
 from supervisors.process import ProcessChild
 from supervisors.service import serve_supervisor

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from bus.errors import Conflict, NotFound, Unavailable
 from bus.backoff import Backoff
+from bus.errors import Conflict, NotFound, Unavailable
 from supervisors.child import ChildSpec, Escalation
 from supervisors.supervisor import Supervisor
 
