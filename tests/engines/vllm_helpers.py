@@ -11,7 +11,7 @@ import pytest
 
 from actors.engines.protocol import Engine, EngineOutput, LoraRef, Prompt, SamplingOptions
 
-# Fast, small engines (facts §12): a 128 MiB KV cache, short context, CPU defaults from VllmEngine.
+# Fast, small engines: a 128 MiB KV cache, short context, CPU defaults from VllmEngine.
 TEST_ENGINE_ARGS: dict[str, Any] = {
     "model": "tiny",
     "max_model_len": 1024,
