@@ -18,8 +18,8 @@ from bus.context import BusContext
 from bus.errors import Unavailable
 from bus.stream import StreamCall, stream_request
 
+from .completion_flow import Liveness
 from .discovery import Worker
-from .engine_flow import Liveness
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ async def ask(bus: BusContext, instance: str, timeout: float) -> Liveness:
 
 
 class WorkerClient:
-    """The bus side of ``engine_flow.WorkerLink``."""
+    """The bus side of ``completion_flow.WorkerLink``."""
 
     def __init__(self, bus: BusContext, stall_timeout: float = 10.0, probe_timeout: float = 1.0) -> None:
         self.bus = bus

@@ -24,8 +24,8 @@ from bus.registry import Registry
 from bus.tasks import cancel_and_wait
 
 from .client import ask
+from .completion_flow import Liveness
 from .discovery import WorkerSet
-from .engine_flow import Liveness
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
-"""OpenAI wire format: validation with vLLM's own protocol models, mapping to SamplingOptions,
-response/chunk builders and OpenAI-shaped error bodies.
+"""The request side of the OpenAI wire format: validation with vLLM's own protocol models, mapping
+to SamplingOptions, and OpenAI-shaped error bodies (responses are shaped in ``responses``).
 
 Validation reuses ``ChatCompletionRequest``/``CompletionRequest`` and their ``to_sampling_params``
 (which runs vLLM's SamplingParams checks), so the accepted surface and the 400 messages match
@@ -9,7 +9,6 @@ vLLM's server. Importing these models loads vLLM's config classes but never buil
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +19,7 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 from vllm.exceptions import VLLMValidationError
 
-from actors.engines.protocol import SamplingOptions, StructuredOutput, TokenLogprob
+from actors.engines.protocol import SamplingOptions, StructuredOutput
 from bus.errors import ActorError, BadRequest
 
 _enc = msgspec.json.Encoder()
@@ -166,62 +165,6 @@ def error_body(err: ActorError) -> bytes:
                                   "param": err.param, "code": err.code}})
 
 
-# --- ids, usage -------------------------------------------------------------------------------------
+# --- ids ---------------------------------------------------------------------------------------------
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage_dict(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-# --- logprobs ---------------------------------------------------------------------------------------
-def chat_logprobs(lps: list[TokenLogprob], token_str: Any) -> list[dict[str, Any]]:
-    out = []
-    for lp in lps:
-        s = token_str(lp.token_id)
-        out.append({"token": s, "logprob": max(lp.logprob, -9999.0), "bytes": list(s.encode()),
-                    "top_logprobs": [{"token": (t := token_str(tid)), "logprob": max(v, -9999.0),
-                                      "bytes": list(t.encode())} for tid, v in lp.top]})
-    return out
-
-
-def completion_logprobs(lps: list[TokenLogprob], token_str: Any, offset: int) -> dict[str, Any]:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    for lp in lps:
-        s = token_str(lp.token_id)
-        tokens.append(s)
-        token_lps.append(max(lp.logprob, -9999.0))
-        tops.append({token_str(tid): max(v, -9999.0) for tid, v in lp.top} or None)
-        offsets.append(offset)
-        offset += len(s)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-# --- SSE --------------------------------------------------------------------------------------------
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-class ChunkFramer:
-    """Pre-encodes the constant part of every SSE chunk of one response (id, object, created, model)."""
-
-    __slots__ = ("_head",)
-
-    def __init__(self, rid: str, obj: str, created: int, model: str) -> None:
-        head = encode_json({"id": rid, "object": obj, "created": created, "model": model})
-        self._head = b"data: " + head[:-1] + b',"choices":['
-
-    def choices(self, choices: list[dict[str, Any]]) -> bytes:
-        return self._head + b",".join(encode_json(c) for c in choices) + b"]}\n\n"
-
-    def usage(self, usage: dict[str, Any]) -> bytes:
-        return self._head + b'],"usage":' + encode_json(usage) + b"}\n\n"
-
-    def error(self, err: ActorError) -> bytes:
-        return b"data: " + error_body(err) + b"\n\n"

@@ -7,6 +7,7 @@ used to load the tokenizer with its special-token configuration.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import threading
@@ -14,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from bus.errors import BadRequest
+from config.topology import ModelConfig
+
+from .discovery import ModelEntry, WorkerSet
 
 log = logging.getLogger(__name__)
 
@@ -121,3 +125,59 @@ class PreprocessorCache:
 
 
 SHARED = PreprocessorCache()  # one per process: tokenizers are immutable and slow to load
+
+
+class ModelPreprocessors:
+    """A model's Preprocessor for its requests: loaded off the loop, once per tokenizer, as soon as
+    the model's card appears (``warm``) rather than on its first request."""
+
+    def __init__(self, workers: WorkerSet, model_config: ModelConfig | None) -> None:
+        self.workers = workers
+        self.model_config = model_config
+        self.cache = SHARED
+        self._loading: dict[tuple[str, str | None], asyncio.Future[Preprocessor | None]] = {}
+        workers.listeners.append(self.warm)
+
+    def _key(self, entry: ModelEntry) -> tuple[str, str | None] | None:
+        """(tokenizer dir, template file): the topology's model section wins over the card, since
+        it names paths on this host (a mocker's card says "mock"; a remote worker's paths are its own)."""
+        card = entry.card
+        path, template = card.tokenizer_path, card.chat_template
+        mc = self.model_config
+        if mc is not None and mc.name == entry.name:
+            path = mc.tokenizer or mc.path or path
+            template = mc.chat_template or template
+        if not path or path == "mock":
+            return None
+        return resolve_model_path(path), template
+
+    async def get(self, entry: ModelEntry) -> Preprocessor | None:
+        """None: no usable tokenizer (text mode for completions)."""
+        key = self._key(entry)
+        if key is None:
+            return None
+        pre = self.cache.peek(*key)
+        if pre is not None:
+            return pre
+        fut = self._loading.get(key)
+        if fut is None:
+            fut = self._loading[key] = asyncio.ensure_future(self._load(key))
+        return await asyncio.shield(fut)
+
+    async def _load(self, key: tuple[str, str | None]) -> Preprocessor | None:
+        try:
+            return await asyncio.to_thread(self.cache.get, *key)
+        except Exception as e:  # no usable tokenizer: text mode for completions
+            log.warning("cannot load tokenizer %s (%s): text mode only", key[0], e)
+            return None
+
+    def warm(self) -> None:
+        """WorkerSet listener: start loading the tokenizer of every model that has a card."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        for entry in list(self.workers.models.values()):
+            key = self._key(entry)
+            if key is not None and key not in self._loading and self.cache.peek(*key) is None:
+                self._loading[key] = loop.create_task(self._load(key))

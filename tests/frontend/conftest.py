@@ -175,7 +175,7 @@ class Deployment:
             raise TimeoutError(f"frontend saw {self.frontend.workers.ready_instances()}")
         assert self.frontend.app is not None
         entry = next(iter(self.frontend.workers.models.values()))
-        await self.frontend.app._preprocessor(entry)
+        await self.frontend.app.pipeline.preprocessors.get(entry)
 
     async def stop(self) -> None:
         for w in self.workers:

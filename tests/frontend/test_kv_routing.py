@@ -13,7 +13,7 @@ from openai import AsyncOpenAI
 from actors.base import Actor
 from actors.engines.mocker import MockerEngine
 from actors.frontend.actor import FrontendActor
-from actors.frontend.app import WORKER_HEADER
+from actors.frontend.responses import WORKER_HEADER
 from actors.worker.engine_actor import EngineActor
 from actors.worker.kv_publisher import KvPublisherActor
 from bus.context import BusContext
@@ -48,7 +48,7 @@ async def kv_stack(bus: BusContext, tiny_dir: str) -> AsyncIterator[tuple[Fronte
                 and len(policy.feed.known_workers()) == 3):
             break
         await asyncio.sleep(0.05)
-    await fe.app._preprocessor(fe.workers.models["tiny"])
+    await fe.app.pipeline.preprocessors.get(fe.workers.models["tiny"])
     try:
         yield fe, actors
     finally:
@@ -144,7 +144,7 @@ async def test_approximate_mode_follows_own_decisions(bus: BusContext, tiny_dir:
 async def test_disaggregated_session_prefills_on_one_prefill_worker(bus: BusContext, tiny_dir: str) -> None:
     """kv routing with prefill and decode pools: every prefill of a growing session goes to the prefill
     worker that holds its prefix, which is never one of the decode workers."""
-    from actors.frontend.app import PREFILL_HEADER
+    from actors.frontend.responses import PREFILL_HEADER
 
     actors: list[Actor] = []
     for role, n in (("prefill", 3), ("decode", 2)):
@@ -167,7 +167,7 @@ async def test_disaggregated_session_prefills_on_one_prefill_worker(bus: BusCont
             if len(fe.workers.ready_instances()) == 5 and getattr(fe._router, "feed", None) is not None:
                 break
             await asyncio.sleep(0.05)
-        await fe.app._preprocessor(fe.workers.models["tiny"])
+        await fe.app.pipeline.preprocessors.get(fe.workers.models["tiny"])
         c = client(fe)
         words = " ".join(f"d{i}" for i in range(400))
         prefills, decodes = [], []

@@ -29,8 +29,8 @@ from actors.engines.protocol import SamplingOptions
 from actors.frontend.discovery import ModelEntry
 from actors.frontend.limits import MAX_CHOICES, MAX_N
 from actors.frontend.openai_io import parse_chat, parse_completion
+from actors.frontend.planning import Plan, plan_request
 from actors.frontend.preprocess import SHARED
-from actors.frontend.serving import Plan, plan_request
 from actors.instances.contract import ModelCard
 from bus.errors import BadRequest
 

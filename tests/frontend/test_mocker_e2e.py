@@ -10,7 +10,7 @@ import pytest
 
 from actors.engines.mocker import MockerEngine
 from actors.frontend.actor import FrontendActor
-from actors.frontend.app import WORKER_HEADER
+from actors.frontend.responses import WORKER_HEADER
 from actors.worker.engine_actor import EngineActor
 from bus.context import BusContext
 from config.topology import FrontendConfig, ModelConfig, PoolConfig
@@ -36,7 +36,7 @@ async def stack(bus: BusContext, tiny_dir: str) -> AsyncIterator[tuple[FrontendA
         if len(fe.workers.ready_instances()) == 2 and fe.workers.models:
             break
         await asyncio.sleep(0.05)
-    await fe.app._preprocessor(fe.workers.models["tiny"])
+    await fe.app.pipeline.preprocessors.get(fe.workers.models["tiny"])
     try:
         yield fe, workers
     finally:

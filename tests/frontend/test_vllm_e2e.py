@@ -20,7 +20,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
 from actors.frontend.actor import FrontendActor
-from actors.frontend.app import WORKER_HEADER
+from actors.frontend.responses import WORKER_HEADER
 from actors.worker.engine_actor import EngineActor
 from actors.worker.engine_factory import build_engine
 from bus.context import open_context
@@ -52,7 +52,7 @@ async def stack(nats_server: EmbeddedNats) -> AsyncIterator[tuple[AsyncOpenAI, E
         if fe.workers.ready_instances() and fe.workers.models:
             break
         await asyncio.sleep(0.05)
-    await fe.app._preprocessor(fe.workers.models["tiny"])
+    await fe.app.pipeline.preprocessors.get(fe.workers.models["tiny"])
     try:
         yield openai_client(f"http://127.0.0.1:{fe.port}", timeout=120), worker
     finally:

@@ -1,25 +1,19 @@
-"""From a validated OpenAI request to worker flows: model resolution, tokenization, sampling, and
-the per-choice text assembly (detokenization, stop strings, logprobs) — no HTTP here."""
+"""Planning one request: from a validated OpenAI request to what its flows need — the model it
+names, its prompts as token ids (chat template, tokenizer), max_tokens from the context left, and
+the model card's limits. No HTTP, no workers here."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from actors.engines.protocol import SamplingOptions
-from actors.worker.contract import GenerateChunk
 from bus.errors import BadRequest, NotFound, Overloaded
-from bus.tasks import cancel_and_wait
 
-from .detok import TextStream
 from .discovery import ModelEntry, WorkerSet
-from .engine_flow import CompletionFlow, FlowDeps, FlowSpec
 from .limits import card_limits, check_fan_out, check_prompt, check_sampling
 from .openai_io import OutputOptions, new_id, requested_max_tokens, to_sampling
 from .preprocess import Preprocessor
@@ -138,100 +132,3 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
     return Plan(chat=chat, model=name, entry=entry, lora=lora, pre=pre, prompts=prompts, n=n,
                 sampling=samplings, out=out, stream=stream, include_usage=include_usage,
                 request_id=new_id("chatcmpl" if chat else "cmpl"), echo_texts=echo_texts)
-
-
-class Choice:
-    """One output choice: a flow plus its text stream; turns worker chunks into client deltas."""
-
-    __slots__ = ("index", "flow", "text", "pre", "finish_reason", "stop_reason", "_done")
-
-    def __init__(self, index: int, flow: CompletionFlow, plan: Plan, prompt_ids: list[int] | None) -> None:
-        self.index = index
-        self.flow = flow
-        self.pre = plan.pre
-        out = plan.out
-        backend = plan.pre.backend if plan.pre is not None else None
-        self.text = TextStream(backend, prompt_ids, out.stop, skip_special_tokens=out.skip_special_tokens,
-                               include_stop_str_in_output=out.include_stop_str_in_output)
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self._done = False
-
-    def feed(self, chunk: GenerateChunk) -> str:
-        """Delta text for a chunk; sets finish_reason when the choice is complete."""
-        ts = self.text
-        if self.pre is not None and chunk.token_ids and not chunk.text:
-            delta = ts.add_tokens(chunk.token_ids)
-        else:
-            delta = ts.add_text(chunk.text or "")
-        if ts.stop_hit is not None:
-            self.finish_reason, self.stop_reason = "stop", ts.stop_hit
-        elif chunk.finish_reason is not None:
-            self.finish_reason = "stop" if chunk.finish_reason == "stop" else chunk.finish_reason
-            self.stop_reason = chunk.stop_reason
-            delta += ts.flush()
-        return delta
-
-
-def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decode_only: bool,
-                  migration_limit: int, on_migrate: Callable[[], None] | None = None,
-                  on_quarantine: Callable[[], None] | None = None, migration_wait: float = 60.0) -> list[Choice]:
-    choices = []
-    idx = 0
-    for p, (ids, text) in enumerate(plan.prompts):
-        base = plan.sampling[p]
-        for j in range(plan.n):
-            so = base
-            if plan.n > 1 and base.seed is not None:
-                so = msgspec.structs.replace(base, seed=base.seed + j)
-            spec = FlowSpec(model=plan.entry, request_id=f"{plan.request_id}-{idx}", sampling=so,
-                            token_ids=ids, prompt=text, lora=plan.lora, target=target,
-                            allow_decode_only=allow_decode_only, migration_limit=migration_limit,
-                            migration_wait=migration_wait)
-            choices.append(Choice(idx, CompletionFlow(spec, deps, on_migrate, on_quarantine), plan, ids))
-            idx += 1
-    return choices
-
-
-async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, GenerateChunk]]:
-    """All choices' chunks in arrival order. One choice: no tasks, no queue (the hot path)."""
-    if len(choices) == 1:
-        c = choices[0]
-        gen = c.flow.chunks()
-        try:
-            async for chunk in gen:
-                yield c, chunk
-                if c.finish_reason is not None:
-                    return
-        finally:
-            await gen.aclose()
-        return
-    queue: asyncio.Queue[tuple[Choice, GenerateChunk | None, BaseException | None]] = asyncio.Queue()
-
-    async def pump(c: Choice) -> None:
-        gen = c.flow.chunks()
-        try:
-            async for chunk in gen:
-                await queue.put((c, chunk, None))
-                if c.finish_reason is not None:
-                    break
-        except Exception as e:
-            await queue.put((c, None, e))
-            return
-        finally:
-            await gen.aclose()
-        await queue.put((c, None, None))
-
-    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
-    try:
-        left = len(tasks)
-        while left:
-            c, chunk, err = await queue.get()
-            if err is not None:
-                raise err
-            if chunk is None:
-                left -= 1
-                continue
-            yield c, chunk
-    finally:
-        await cancel_and_wait(tasks)

@@ -1,0 +1,156 @@
+"""One generation request, top to bottom: parse (openai_io) → plan (planning: model, tokenizer,
+limits, max_tokens) → flows (choices, completion_flow: routing, migration, disaggregation) →
+respond (responses: one builder for the SSE stream and the JSON body), with its metrics.
+
+A streamed response's headers are sent only once the first chunk has arrived from the worker, so
+they can name it, and so errors that happen before any output still get a proper HTTP status. A
+client that disconnects cancels the handler task (``handler_cancellation``), which leaves
+``merged``, which closes the worker streams, which publish the cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+from bus.errors import ActorError, PayloadTooLarge
+from config.topology import FrontendConfig, ModelConfig
+
+from .choices import Arrival, Choice, build_choices, merged
+from .completion_flow import FlowDeps, WorkerLink
+from .discovery import WorkerSet
+from .http_guard import read_body
+from .metrics import FrontendMetrics
+from .openai_io import encode_json, parse_chat, parse_completion
+from .planning import Plan, plan_request, resolve
+from .preprocess import ModelPreprocessors
+from .quarantine import Quarantine
+from .responses import SSE_DONE, WORKER_HEADER, ResponseBuilder
+from .routing import Router
+
+log = logging.getLogger(__name__)
+
+
+class CompletionPipeline:
+    """Serves /v1/chat/completions and /v1/completions."""
+
+    def __init__(self, *, workers: WorkerSet, router: Router, link: WorkerLink, config: FrontendConfig,
+                 metrics: FrontendMetrics, model_config: ModelConfig | None = None) -> None:
+        self.workers = workers
+        self.config = config
+        self.deps = FlowDeps(workers, router, link, Quarantine(config.quarantine_ttl))
+        self.metrics = metrics
+        self.model_config = model_config
+        # the topology's models answer 503 while no worker serves them, instead of 404
+        self._expected = frozenset([model_config.name]) if model_config is not None else frozenset()
+        self.preprocessors = ModelPreprocessors(workers, model_config)
+
+    async def serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        t0 = time.perf_counter()
+        m = self.metrics
+        endpoint = "chat" if chat else "completions"
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        body = await read_body(request, self.config.body_timeout, m)
+        label = "unknown"
+        status = 500
+        try:
+            req = parse_chat(body) if chat else parse_completion(body)
+            entry, lora, name = resolve(self.workers, req.model, self._expected)
+            label = entry.name
+            m.queued.labels(label).inc()
+            try:
+                pre = await self.preprocessors.get(entry)
+                plan = plan_request(req, entry, lora, name, pre, body)
+            finally:
+                m.queued.labels(label).dec()
+            choices = self._choices(plan, target=request.headers.get(WORKER_HEADER))
+            for ids, _ in plan.prompts:
+                if ids is not None:
+                    m.input_tokens.labels(label).observe(len(ids))
+            out = ResponseBuilder(plan, choices)
+            m.inflight.labels(label).inc()
+            try:
+                resp = await (self._stream(request, out, t0) if plan.stream else self._complete(out, t0))
+            finally:
+                m.inflight.labels(label).dec()
+            status = resp.status
+            for c in choices:
+                m.output_tokens.labels(label).observe(c.flow.state.completion_tokens)
+                if c.flow.state.cached_tokens:
+                    m.cached_tokens.labels(label).inc(c.flow.state.cached_tokens)
+            m.duration.labels(label).observe(time.perf_counter() - t0)
+            return resp
+        except ActorError as e:
+            status = e.code
+            raise
+        except (asyncio.CancelledError, ConnectionResetError):
+            status = 499
+            m.disconnects.labels(label).inc()
+            m.cancellations.labels(label).inc()
+            log.info("client disconnected from %s request; worker request cancelled", endpoint)
+            raise
+        finally:
+            m.requests.labels(endpoint, label, str(status)).inc()
+
+    def _choices(self, plan: Plan, target: str | None) -> list[Choice]:
+        """The plan's flows, under the topology's migration settings for its model (the card's
+        when this frontend's topology does not name the model)."""
+        entry, label = plan.entry, plan.entry.name
+        mc = self.model_config if self.model_config and self.model_config.name == entry.name else None
+        return build_choices(
+            plan, self.deps, target=target,
+            allow_decode_only=mc.allow_decode_only if mc is not None else True,
+            migration_limit=mc.migration_limit if mc is not None else entry.card.migration_limit,
+            on_migrate=self.metrics.migrations.labels(label).inc,
+            on_quarantine=self.metrics.quarantined.labels(label).inc,
+            migration_wait=mc.migration_wait if mc is not None else 60.0)
+
+    async def _stream(self, request: web.Request, out: ResponseBuilder, t0: float) -> web.StreamResponse:
+        m, label = self.metrics, out.plan.entry.name
+        async with merged(out.choices) as arrivals:
+            first = await anext(arrivals, None)  # errors before any output get a real HTTP status
+            t_first = time.perf_counter()
+            m.ttft.labels(label).observe(t_first - t0)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               **out.headers()})
+            try:
+                await resp.prepare(request)
+                for frame in out.sse_start():
+                    await resp.write(frame)
+                item: Arrival | None = first
+                last = t_first
+                while item is not None:
+                    c, chunk = item
+                    delta = out.feed(c, chunk)
+                    if delta is not None:
+                        frame = out.sse_piece(c, chunk, delta)
+                        if frame is not None:
+                            await resp.write(frame)
+                        t = time.perf_counter()
+                        if item is not first and chunk.token_ids:
+                            m.itl.labels(label).observe((t - last) / len(chunk.token_ids))
+                        last = t
+                    item = await anext(arrivals, None)
+                for frame in out.sse_end():
+                    await resp.write(frame)
+            except ActorError as e:
+                log.warning("stream %s failed after headers: %s", out.plan.request_id, e)
+                await resp.write(out.sse_error(e))
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+        return resp
+
+    async def _complete(self, out: ResponseBuilder, t0: float) -> web.Response:
+        async with merged(out.choices) as arrivals:
+            first = True
+            async for c, chunk in arrivals:
+                if first:
+                    first = False
+                    self.metrics.ttft.labels(out.plan.entry.name).observe(time.perf_counter() - t0)
+                out.feed(c, chunk)
+        return web.Response(body=encode_json(out.body()), content_type="application/json", headers=out.headers())
