@@ -42,7 +42,6 @@ class InstanceConfirmer:
         self.recheck = recheck
         self._probing: dict[str, asyncio.Task[None]] = {}
         self._rechecker: asyncio.Task[None] | None = None
-        self.ghosts_purged = 0
 
     def put(self, key: str, value: bytes) -> None:
         """Registry put (a ``watch_into`` callback): apply it, probe a new incarnation."""
@@ -109,7 +108,6 @@ class InstanceConfirmer:
     async def _purge(self, key: str, instance: str) -> None:
         log.warning("purging registry record of %s: it never answered on the bus (a dead run's record)",
                     instance)
-        self.ghosts_purged += 1
         self.workers.delete_instance(key)
         with contextlib.suppress(Exception):
             await self.registry.kv.purge(key)
