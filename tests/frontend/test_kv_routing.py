@@ -11,7 +11,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from actors.base import Actor
-from actors.engines.mocker import MockerEngine
+from actors.engines.mocker.engine import MockerEngine
 from actors.frontend.actor import FrontendActor
 from actors.frontend.responses import WORKER_HEADER
 from actors.worker.engine_actor import EngineActor

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from actors.engines.mocker import MockerEngine
+from actors.engines.mocker.engine import MockerEngine
 from actors.frontend.actor import FrontendActor
 from actors.frontend.responses import WORKER_HEADER
 from actors.worker.engine_actor import EngineActor
