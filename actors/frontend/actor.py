@@ -27,7 +27,7 @@ from .client import WorkerClient
 from .confirm import InstanceConfirmer
 from .discovery import WorkerSet
 from .http_guard import GuardedSite
-from .kv_routing import KvFactory, kv_factory
+from .kv_routing import KvPolicy
 from .metrics import FrontendMetrics
 from .readiness import PoolExpectation, Readiness
 from .routing import Router, make_router
@@ -46,7 +46,6 @@ class FrontendActor(Actor):
 
     def __init__(self, bus: BusContext, *, config: FrontendConfig | None = None,
                  model_config: ModelConfig | None = None, instance: str | None = None,
-                 kv_factory: KvFactory | None = None,
                  registry_ttl: float | None = None, pools: Mapping[str, PoolConfig] | None = None,
                  supervisor_hosts: list[str] | None = None, on_status: Callable[[str], None] | None = None,
                  **kw: Any) -> None:
@@ -68,7 +67,6 @@ class FrontendActor(Actor):
         self._last_ready: bool | None = None
         self._confirmer: InstanceConfirmer | None = None
         self.metrics = FrontendMetrics()
-        self._kv_factory = kv_factory
         self._router: Router | None = None
         self.app: FrontendApp | None = None
         self._site: GuardedSite | None = None
@@ -116,10 +114,11 @@ class FrontendActor(Actor):
         except BaseException:
             await self._cleanup()
             raise
-        factory = self._kv_factory
-        if factory is None and self.config.router == "kv":
-            factory = kv_factory(self.config, self.model_config.name if self.model_config else None)
-        kv = (lambda: factory(ws, self.bus, self.instances)) if factory is not None else None  # noqa: E731
+        model = self.model_config.name if self.model_config else None
+
+        def kv() -> KvPolicy:
+            return KvPolicy(ws, self.bus, self.instances, self.config, model, registry=self.metrics.registry)
+
         router = make_router(self.config.router, kv_factory=kv)
         self._router = router
         client = WorkerClient(self.bus, self.config.stall_timeout)

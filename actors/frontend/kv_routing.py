@@ -14,7 +14,9 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry
 
 from actors.instances.contract import InstanceRecord
 from actors.instances.watch import BucketWatch
@@ -29,26 +31,10 @@ from bus.tasks import cancel_and_wait
 from config.topology import FrontendConfig
 
 from .discovery import Worker, WorkerSet
-from .routing import Router, _candidates
+from .routing import _candidates
 
 log = logging.getLogger(__name__)
 
-_process_metrics: RouterMetrics | None = None
-
-
-def _metrics() -> RouterMetrics:
-    """One set of router metrics per process, on the default registry (a restarted frontend must not
-    register the same series twice)."""
-    global _process_metrics
-    if _process_metrics is None:
-        import prometheus_client
-
-        _process_metrics = RouterMetrics(prometheus_client.REGISTRY)
-    return _process_metrics
-
-
-# Builds the kv policy from the frontend's worker set and its watch of ``<ns>-instances``.
-KvFactory = Callable[[WorkerSet, BusContext, BucketWatch[InstanceRecord]], Router]
 # Between attempts to start the feed (its subscriptions), while the router routes on its own decisions.
 FEED_RETRY = Backoff(initial=0.5, max=10.0)
 
@@ -66,8 +52,10 @@ class KvPolicy:
     name = "kv"
 
     def __init__(self, workers: WorkerSet, bus: BusContext, instances: BucketWatch[InstanceRecord],
-                 config: FrontendConfig, model: str | None) -> None:
+                 config: FrontendConfig, model: str | None, registry: CollectorRegistry | None = None) -> None:
         self.workers = workers
+        # on the frontend's own registry, which its /metrics exports (a private one when none is given)
+        self.metrics = RouterMetrics(registry)
         self.bus = bus
         self.instances = instances
         self.config = config
@@ -105,7 +93,7 @@ class KvPolicy:
                            temperature=self.config.router_temperature,
                            busy_threshold=self.config.busy_threshold)
         mode = "kv" if self.config.kv_events else "approx"
-        router = KvRouter(cfg, mode=mode, approx_ttl=self.config.approx_ttl, metrics=_metrics())
+        router = KvRouter(cfg, mode=mode, approx_ttl=self.config.approx_ttl, metrics=self.metrics)
         feed = KvRouterFeed(self.bus, router, model=self.model, instances=self.instances)
         self.router, self.feed = router, feed
         self._feed_task = asyncio.get_running_loop().create_task(self._start_feed(feed),
@@ -170,10 +158,3 @@ class KvPolicy:
     def finished(self, request_id: str) -> None:
         if self.router is not None:
             self.router.finish(request_id)
-
-
-def kv_factory(config: FrontendConfig, model: str | None) -> KvFactory:
-    def make(workers: WorkerSet, bus: BusContext, instances: BucketWatch[InstanceRecord]) -> KvPolicy:
-        return KvPolicy(workers, bus, instances, config, model)
-
-    return make

@@ -55,6 +55,5 @@ class FrontendMetrics:
                                       "Requests refused by the HTTP parser (400)", registry=r)
 
     def render(self) -> bytes:
-        # plus the process-wide registry: the kv router's series (hit rate, overheads, index size,
-        # block-size mismatches) live there, one set per process
+        # plus the default registry: the process and Python collectors prometheus_client puts there
         return generate_latest(self.registry) + generate_latest(REGISTRY)
