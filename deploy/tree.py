@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from config.paths import DEFAULT_HOME
 from config.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
 from config.workers import bus_url, embeds_nats
 from deploy import nats_conf
@@ -47,7 +48,9 @@ BUS_CONNECT_TIMEOUT = 10.0
 def run_dir(t: Topology) -> Path:
     if t.run_dir:
         return Path(t.run_dir).expanduser()
-    return Path("~/.cache/vllm-actors/run").expanduser() / t.namespace
+    # under the default home, not $VLLM_ACTORS_HOME: run state follows the user's HOME (a test or a
+    # second user with its own HOME gets its own run dir while sharing one model cache)
+    return Path(DEFAULT_HOME).expanduser() / "run" / t.namespace
 
 
 class BusLink:

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from config.paths import HOME_ENV, vllm_actors_home
+
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGIES = ROOT / "topologies"
 PY = sys.executable
@@ -269,3 +271,10 @@ def shutdown(d: Deployment) -> None:
     rc = d.stop()
     assert rc == 0, f"supervisor exit code {rc}:\n{d.output()}"
     assert not d.leftovers, f"processes of the deployment outlived the supervisor:\n{d.output()}"
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> dict[str, str]:
+    """A private HOME (the default run dir follows it) that still finds the built tiny model."""
+    (tmp_path / "home").mkdir()
+    return {"HOME": str(tmp_path / "home"), HOME_ENV: str(vllm_actors_home())}

@@ -22,6 +22,7 @@ from openai import OpenAI
 
 from actors.worker.checkpoint import READY, RESTORE_DONE, SNAPSHOT_DONE
 from bus.subjects import Subjects
+from config.paths import vllm_actors_home
 from tests.e2e.conftest import Deployment, http_json, shutdown
 
 BOOT_TIMEOUT_MOCKER = 60.0
@@ -32,7 +33,7 @@ PROMPT = [{"role": "user", "content": "Write a short poem about a lighthouse on 
 def deploy(tmp: Path, name: str, topology: str) -> tuple[Deployment, Path]:
     """A deployment whose agg pool runs in checkpoint mode, with a private HOME (default run dir)."""
     control = tmp / "snap"
-    models_home = os.environ.get("VLLM_ACTORS_HOME") or str(Path.home() / ".cache" / "vllm-actors")
+    models_home = str(vllm_actors_home())
     home = tmp / "home"
     home.mkdir()
     d = Deployment(topology, tmp, namespace=f"ckpt{name}{os.getpid()}", status_pools={"agg": 1},

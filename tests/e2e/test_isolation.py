@@ -22,13 +22,6 @@ from tests.helpers import listening_hosts
 PROMPT = [{"role": "user", "content": "Say something about lighthouses."}]
 
 
-@pytest.fixture
-def home(tmp_path: Path) -> dict[str, str]:
-    models = os.environ.get("VLLM_ACTORS_HOME") or str(Path.home() / ".cache" / "vllm-actors")
-    (tmp_path / "home").mkdir()
-    return {"HOME": str(tmp_path / "home"), "VLLM_ACTORS_HOME": models}
-
-
 def deployment(tmp: Path, namespace: str, env: dict[str, str], bus_port: int | None = None) -> Deployment:
     """A mocker-agg deployment with the default run_dir (conftest's Deployment pins one)."""
     tmp.mkdir()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -28,13 +27,6 @@ from bus.subjects import Subjects
 from tests.e2e.conftest import WORKER_HEADER, Deployment, shutdown
 
 NS = "dynamo"  # the shipped topologies' namespace: what two users on one host both get
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> dict[str, str]:
-    models = os.environ.get("VLLM_ACTORS_HOME") or str(Path.home() / ".cache" / "vllm-actors")
-    (tmp_path / "home").mkdir()
-    return {"HOME": str(tmp_path / "home"), "VLLM_ACTORS_HOME": models}
 
 
 def default_deployment(tmp: Path, topology: str, env: dict[str, str], *, bus_port: int | None = None,
