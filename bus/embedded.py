@@ -26,6 +26,7 @@ import sysconfig
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
@@ -175,26 +176,27 @@ def _own_cmdline(limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+@dataclass(eq=False)
 class EmbeddedNats:
-    """A nats-server child process bound to ``host:port`` with JetStream enabled."""
+    """A nats-server child process bound to ``host:port`` with JetStream enabled.
 
-    def __init__(self, port: int = 4222, store_dir: str | None = None, host: str = "127.0.0.1",
-                 log_file: str | None = None, name: str = "nats-server",
-                 extra_args: list[str] | None = None,
-                 write_config: Callable[[str], None] | None = None) -> None:
-        """``write_config(path)`` writes the server's config file (auth, TLS: see
-        ``deploy.nats_conf``); default: ``server_config()`` alone (no auth)."""
-        self.name = name
-        self.write_config = write_config
-        self.host = host
-        self.port = port
-        self.store_dir = store_dir
-        self.log_file = log_file
-        self.extra_args = list(extra_args or [])  # e.g. ["-c", "auth.conf"] or ["--auth", token]
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._lock: StoreLock | None = None
-        self._stopping = False
-        self._server_name = f"{name}-{port}"
+    ``write_config(path)`` writes the server's config file (auth, TLS: see ``deploy.nats_conf``);
+    default: ``server_config()`` alone (no auth)."""
+
+    port: int = 4222
+    store_dir: str | None = None
+    host: str = "127.0.0.1"
+    log_file: str | None = None
+    name: str = "nats-server"
+    extra_args: list[str] = field(default_factory=list)  # e.g. ["-c", "auth.conf"] or ["--auth", token]
+    write_config: Callable[[str], None] | None = None
+    _proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    _lock: StoreLock | None = field(default=None, init=False)
+    _stopping: bool = field(default=False, init=False)
+    _server_name: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        self._server_name = f"{self.name}-{self.port}"
 
     @property
     def url(self) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import KW_ONLY, dataclass, field
 
 from bus.context import BusContext
 from bus.registry import Registry
@@ -30,18 +31,18 @@ from .discovery import WorkerSet
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class InstanceConfirmer:
-    def __init__(self, bus: BusContext, workers: WorkerSet, registry: Registry, *, timeout: float = 2.0,
-                 retry: float = 1.0, purge_after: int = 3, recheck: float = 2.0) -> None:
-        self.bus = bus
-        self.workers = workers
-        self.registry = registry
-        self.timeout = timeout
-        self.retry = retry
-        self.purge_after = purge_after
-        self.recheck = recheck
-        self._probing: dict[str, asyncio.Task[None]] = {}
-        self._rechecker: asyncio.Task[None] | None = None
+    bus: BusContext
+    workers: WorkerSet
+    registry: Registry
+    _: KW_ONLY
+    timeout: float = 2.0  # seconds a probe waits for the answer
+    retry: float = 1.0  # seconds between probes of an unconfirmed record
+    purge_after: int = 3  # failed probes before the record is purged from the bucket
+    recheck: float = 2.0  # seconds between probes of confirmed instances
+    _probing: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
+    _rechecker: asyncio.Task[None] | None = field(default=None, init=False)
 
     def put(self, key: str, value: bytes) -> None:
         """Registry put (a ``watch_into`` callback): apply it, probe a new incarnation."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from actors.engines.mocker.kv_pool import BlockPool
@@ -89,24 +89,26 @@ class StepResult:
     preempted: list[MockRequest] = field(default_factory=list)
 
 
+@dataclass(eq=False)
 class Scheduler:
-    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool, max_loras: int,
-                 sample: Callable[[MockRequest], int]) -> None:
-        self.pool = pool
-        self.block_size = pool.block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.chunked = enable_chunked_prefill
-        self.max_loras = max_loras
-        self.sample = sample
-        self.waiting: deque[MockRequest] = deque()
-        self.running: list[MockRequest] = []
-        self.requests: dict[str, MockRequest] = {}
-        self.step_count = 0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
+    pool: BlockPool
+    _: KW_ONLY
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool
+    max_loras: int
+    sample: Callable[[MockRequest], int]
+    waiting: deque[MockRequest] = field(default_factory=deque, init=False)
+    running: list[MockRequest] = field(default_factory=list, init=False)
+    requests: dict[str, MockRequest] = field(default_factory=dict, init=False)
+    step_count: int = field(default=0, init=False)
+    prefix_queries: int = field(default=0, init=False)
+    prefix_hits: int = field(default=0, init=False)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
 
     # --- queue management --------------------------------------------------------------------
     def add(self, req: MockRequest) -> None:
@@ -245,7 +247,7 @@ class Scheduler:
             remote = max(0, req.remote_prefill_tokens - local) if req.num_computed == 0 else 0
             computed = req.num_computed + local + remote
             num_new = req.num_tokens - computed
-            if not self.chunked and num_new > budget:
+            if not self.enable_chunked_prefill and num_new > budget:
                 break
             num_new = min(num_new, budget)
             base = req.num_computed
