@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import pathlib
 import re
 import signal
@@ -19,7 +18,7 @@ import time
 
 import aiohttp
 
-from bench.proc_cpu import tree
+from bench.proc_cpu import kill_leftovers, tree
 from bus.embedded import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -81,8 +80,4 @@ class Deployment:
             self.proc.kill()
             self.proc.wait()
         time.sleep(0.5)
-        for pid in below:  # anything of the tree still alive (a child that ignored the shutdown)
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_leftovers(below)  # anything of the tree still alive (a child that ignored the shutdown)

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proc_cpu import cmdline, own_cpu, tree, tree_cpu  # noqa: E402
+from proc_cpu import cmdline, kill_leftovers, own_cpu, tree, tree_cpu  # noqa: E402
 
 from actors.models.tiny import tiny_model_dir  # noqa: E402
 from bus.embedded import free_port  # noqa: E402
@@ -154,20 +154,6 @@ def classify(pid: int) -> str:
     if "actors.supervisor" in c or "dynamo.frontend" in c:
         return "frontend"
     return c.split(" ")[0].rsplit("/", 1)[-1] or "?"
-
-
-def kill_leftovers(pids: list[int]) -> None:
-    """SIGKILL whichever of ``pids`` (a stopped stack's tree, by pid: never by name) still lives."""
-    for q in pids:
-        try:
-            os.kill(q, 0)
-        except OSError:
-            continue
-        print(f"  leftover pid {q} ({cmdline(q)[:80]}): SIGKILL", file=sys.stderr)
-        try:
-            os.kill(q, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 class Stack:

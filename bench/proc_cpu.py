@@ -9,6 +9,8 @@ process churn inside the window.
 from __future__ import annotations
 
 import os
+import signal
+import sys
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -59,3 +61,17 @@ def cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def kill_leftovers(pids: list[int]) -> None:
+    """SIGKILL whichever of ``pids`` (a stopped stack's tree, by pid: never by name) still lives."""
+    for q in pids:
+        try:
+            os.kill(q, 0)
+        except OSError:
+            continue
+        print(f"  leftover pid {q} ({cmdline(q)[:80]}): SIGKILL", file=sys.stderr)
+        try:
+            os.kill(q, signal.SIGKILL)
+        except OSError:
+            pass

@@ -43,9 +43,6 @@ from tests.chaos.http_fuzz import cap_memory, run_http_fuzz  # noqa: E402
 from tests.chaos.nats_fuzz import run_nats_fuzz  # noqa: E402
 from tests.e2e.conftest import Deployment  # noqa: E402
 
-POISON = 2047  # as tests/chaos/test_faults.py
-SLOW = "pools.agg.engine_args.speedup_ratio=0.5"
-
 
 def deployment(name: str, topology: str, sets: list[str], ready: dict[str, int], tmp: Path,
                timeout: float = 120.0) -> Deployment:
@@ -112,7 +109,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         res["faults"] = {"bus_kill": [], "worker_kill": []}
         for i in range(args.runs):
             last = i == args.runs - 1
-            got = with_deployment(f"faults{i}", "mocker-agg.toml", ["pools.agg.replicas=2", SLOW],
+            got = with_deployment(f"faults{i}", "mocker-agg.toml", sc.PAIR_SETS,
                                      {"agg": 2}, tmp, lambda d, last=last: faults_once(d, last))
             res["faults"]["bus_kill"] += got["bus_kill"]
             res["faults"]["worker_kill"] += got["worker_kill"]
@@ -120,8 +117,8 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
                 res["faults"]["slow_clients"] = got["slow_clients"]
         print(f"faults: {time.monotonic() - t0:.0f}s", file=sys.stderr)
         res["request_of_death"] = with_deployment(
-            "poison", "mocker-agg.toml", ["pools.agg.replicas=2", f"pools.agg.engine_args.poison_token_id={POISON}"],
-            {"agg": 2}, tmp, lambda d: asyncio.run(sc.request_of_death(d, poison=[5, POISON, 6])))
+            "poison", "mocker-agg.toml", sc.POISON_SETS,
+            {"agg": 2}, tmp, lambda d: asyncio.run(sc.request_of_death(d, poison=[5, sc.POISON, 6])))
         if args.vllm:
             res["vllm_logprobs"] = with_deployment("vllm", "agg.toml", [], {"agg": 1}, tmp, vllm_logprobs)
         res["seconds"] = round(time.monotonic() - t0)

@@ -31,10 +31,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from frontend_bench import free_port, kill_leftovers, wait_up  # noqa: E402
-from proc_cpu import tree, tree_cpu  # noqa: E402
+from frontend_bench import wait_up  # noqa: E402
+from proc_cpu import kill_leftovers, tree, tree_cpu  # noqa: E402
 
 from actors.models.tiny import tiny_model_dir  # noqa: E402
+from bus.embedded import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = str(ROOT / ".venv/bin/python")

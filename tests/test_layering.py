@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("actors.engines",),                                     # engine protocol and implementations
     ("actors.kv",),                                          # router block hashing, event translation
     ("actors.router", "actors.worker"),                      # KV routing; what runs in a worker process
-    ("actors.frontend", "actors.echo", "actors.planner"),    # actors that call workers
+    ("actors.frontend", "actors.echo"),                      # actors that call workers
     ("deploy", "actors.supervisor"),                         # deployment assembly, the CLI (and its alias)
 ]
 # A wire contract (an actor package's ``contract`` module) is the shared language of callers and
@@ -109,7 +109,7 @@ def test_every_import_points_down_the_layers() -> None:
 
 def test_every_module_has_a_layer() -> None:
     for _, module in all_modules():
-        if module in PACKAGES or module == "actors":
+        if module in PACKAGES:
             continue
         unit_of(module)
 

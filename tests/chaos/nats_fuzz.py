@@ -30,6 +30,7 @@ import nats.errors
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, NoKeysError
 
+from actors.instances.contract import WORKER_KIND
 from bus import subjects as S
 from bus.subjects import Subjects
 from bus.wire import NO_RESPONDERS, STATUS
@@ -50,7 +51,6 @@ from tests.chaos.nats_battery import (
     verb_for,
 )
 
-ENGINE_KINDS = ("engine",)
 _GENERATE = VERBS[("engine", "generate")]
 
 
@@ -102,11 +102,13 @@ async def registry_records(nc: Client, namespace: str) -> dict[str, dict[str, An
     return out
 
 
-async def discover(nc: Client, namespace: str) -> tuple[list[Target], list[str]]:
-    """Every subject to fuzz, and the endpoints ``VERBS`` does not know (fuzzed with garbage only)."""
+def discover(infos: list[dict[str, Any]], records: dict[str, Any],
+             namespace: str) -> tuple[list[Target], list[str]]:
+    """Every subject to fuzz, from the micro services' INFO replies and the registry's records, and
+    the endpoints ``VERBS`` does not know (fuzzed with garbage only)."""
     targets: dict[str, Target] = {}
     unknown = []
-    for info in await services(nc, namespace):
+    for info in infos:
         for ep in info["endpoints"]:
             verb = verb_for(info["name"], ep["name"])
             if verb is None:
@@ -117,13 +119,13 @@ async def discover(nc: Client, namespace: str) -> tuple[list[Target], list[str]]
             subject = f"$SRV.{control}.{info['name']}.{info['id']}"
             targets[subject] = Target(subject, SRV_VERB, "srv-control")
     sj = Subjects(namespace)
-    for instance, rec in (await registry_records(nc, namespace)).items():
+    for instance, rec in records.items():
         gen = rec.get("generate_subject")
         if gen in targets:  # served and registered: one target, both sources named
             targets[gen] = replace(targets[gen], source=f"{targets[gen].source}+registry:generate_subject")
         elif gen:
             targets[gen] = Target(gen, _GENERATE, "registry:generate_subject")
-        if rec.get("kind") in ENGINE_KINDS:
+        if rec.get("kind") == WORKER_KIND:
             for subject, verb, what in ((sj.kv_events(instance), KV_EVENT_VERB, "kv_events"),
                                         (sj.load(instance), LOAD_VERB, "load")):
                 targets.setdefault(subject, Target(subject, verb, f"registry:{what}", reply=False))
@@ -195,11 +197,14 @@ async def ask(nc: Client, target: Target, case: Case, timeout: float) -> tuple[s
 
 
 # --- restarts --------------------------------------------------------------------------------------
-async def deployment_state(nc: Client, namespace: str) -> dict[str, Any]:
+async def deployment_state(nc: Client, namespace: str) -> tuple[dict[str, Any], list[dict[str, Any]],
+                                                                  dict[str, Any]]:
     """What a restart changes: each supervised child's restart count and start time (every
     supervisor service's ``children`` view, nested supervisors flattened), the registry's
-    ``started_at`` per instance, and the micro services' ids."""
+    ``started_at`` per instance, and the micro services' ids; with the services' INFO replies and
+    the registry records it read (what ``discover`` needs)."""
     infos = await services(nc, namespace)
+    records = await registry_records(nc, namespace)
     children: dict[str, tuple[int, float | None]] = {}
     for info in infos:
         if info["name"] != "supervisor":
@@ -207,10 +212,11 @@ async def deployment_state(nc: Client, namespace: str) -> dict[str, Any]:
         subject = next(e["subject"] for e in info["endpoints"] if e["name"] == "children")
         view = json.loads((await nc.request(subject, b"", timeout=5)).data)
         _flatten(f"{view['host']}/{view['supervisor']}", view["children"], children)
-    return {"children": children,
-            "registry": {k: r.get("started_at") for k, r in (await registry_records(nc, namespace)).items()},
-            "services": sorted(f"{i['name']}/{i['id']}" for i in infos),
-            "feed": await _feed_counters(nc, infos)}
+    state = {"children": children,
+             "registry": {k: r.get("started_at") for k, r in records.items()},
+             "services": sorted(f"{i['name']}/{i['id']}" for i in infos),
+             "feed": await _feed_counters(nc, infos)}
+    return state, infos, records
 
 
 async def _feed_counters(nc: Client, infos: list[dict[str, Any]]) -> dict[str, int]:
@@ -255,8 +261,8 @@ async def run_nats_fuzz(bus_url: str, namespace: str, *, seed: int = 0, per_subj
     t0 = time.monotonic()
     nc = await nats.connect(bus_url, name="nats-fuzz", **(connect or {}))
     try:
-        before = await deployment_state(nc, namespace)
-        targets, unknown = await discover(nc, namespace)
+        before, infos, records = await deployment_state(nc, namespace)
+        targets, unknown = discover(infos, records, namespace)
         sem = asyncio.Semaphore(concurrency)
         outcomes: Counter[str] = Counter()
         examples: dict[str, list[str]] = {}
@@ -281,7 +287,7 @@ async def run_nats_fuzz(bus_url: str, namespace: str, *, seed: int = 0, per_subj
         await asyncio.gather(*(one(t, c) for t, c in plan))
         fuzz_seconds = time.monotonic() - t0
         await asyncio.sleep(settle)
-        after = await deployment_state(nc, namespace)
+        after = (await deployment_state(nc, namespace))[0]
     finally:
         await nc.close()
     codes = {k: v for k, v in outcomes.items() if k.isdigit()}

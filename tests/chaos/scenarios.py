@@ -24,6 +24,11 @@ from bus.subjects import Subjects
 
 MODEL = "tiny"
 HOST = "local"
+POISON = 2047  # the tiny vocabulary's last id: no tokenized prompt of these scenarios holds it
+# the deployments the fault scenarios run on (`--set`s of mocker-agg.toml): two replicas, and a
+# mocker slow enough that a 300-token stream takes a few seconds, so the faults land mid-stream
+PAIR_SETS = ["pools.agg.replicas=2", "pools.agg.engine_args.speedup_ratio=0.5"]
+POISON_SETS = ["pools.agg.replicas=2", f"pools.agg.engine_args.poison_token_id={POISON}"]
 
 
 @dataclass

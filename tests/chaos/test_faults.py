@@ -15,15 +15,10 @@ from tests.e2e.conftest import Deployment, boot, shutdown
 
 pytestmark = pytest.mark.slow
 
-POISON = 2047  # the tiny vocabulary's last id: no tokenized prompt of these tests holds it
-# mocker speed: a 300-token stream takes a few seconds, so the faults land mid-stream
-SLOW = "pools.agg.engine_args.speedup_ratio=0.5"
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     d = boot(tmp_path_factory, "chaos_pair", "mocker-agg.toml", ready={"agg": 2},
-             sets=["pools.agg.replicas=2", SLOW])
+             sets=sc.PAIR_SETS)
     yield d
     shutdown(d)
 
@@ -57,13 +52,13 @@ def test_slow_clients_are_closed_within_the_header_timeout(pair: Deployment) -> 
 @pytest.fixture(scope="module")
 def poisoned(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     d = boot(tmp_path_factory, "chaos_poison", "mocker-agg.toml", ready={"agg": 2},
-             sets=["pools.agg.replicas=2", f"pools.agg.engine_args.poison_token_id={POISON}"])
+             sets=sc.POISON_SETS)
     yield d
     shutdown(d)
 
 
 def test_request_of_death_costs_at_most_two_restarts(poisoned: Deployment) -> None:
-    r: dict[str, Any] = asyncio.run(sc.request_of_death(poisoned, poison=[5, POISON, 6]))
+    r: dict[str, Any] = asyncio.run(sc.request_of_death(poisoned, poison=[5, sc.POISON, 6]))
     assert r["first"]["status"] == 500 and "died while serving it" in r["first"]["error"], r
     assert r["again"]["status"] == 400 and "quarantined" in r["again"]["error"], r
     assert 1 <= r["worker_restarts"] <= 2, r

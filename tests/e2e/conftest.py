@@ -273,8 +273,13 @@ def shutdown(d: Deployment) -> None:
     assert not d.leftovers, f"processes of the deployment outlived the supervisor:\n{d.output()}"
 
 
+def private_home(tmp: Path) -> dict[str, str]:
+    """The environment of a private HOME under ``tmp`` (the default run dir follows it) that still
+    finds the built tiny model."""
+    (tmp / "home").mkdir()
+    return {"HOME": str(tmp / "home"), HOME_ENV: str(vllm_actors_home())}
+
+
 @pytest.fixture
 def home(tmp_path: Path) -> dict[str, str]:
-    """A private HOME (the default run dir follows it) that still finds the built tiny model."""
-    (tmp_path / "home").mkdir()
-    return {"HOME": str(tmp_path / "home"), HOME_ENV: str(vllm_actors_home())}
+    return private_home(tmp_path)

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-import nats
 import pytest
 from openai import OpenAI
 
 from actors.worker.checkpoint import READY, RESTORE_DONE, SNAPSHOT_DONE
-from bus.subjects import Subjects
-from config.paths import vllm_actors_home
-from tests.e2e.conftest import Deployment, http_json, shutdown
+from tests.chaos import scenarios
+from tests.e2e.conftest import Deployment, http_json, private_home, shutdown
 
 BOOT_TIMEOUT_MOCKER = 60.0
 BOOT_TIMEOUT_VLLM = 300.0  # engine start on a shared 2-core machine; nothing asserts on speed
@@ -33,27 +30,16 @@ PROMPT = [{"role": "user", "content": "Write a short poem about a lighthouse on 
 def deploy(tmp: Path, name: str, topology: str) -> tuple[Deployment, Path]:
     """A deployment whose agg pool runs in checkpoint mode, with a private HOME (default run dir)."""
     control = tmp / "snap"
-    models_home = str(vllm_actors_home())
-    home = tmp / "home"
-    home.mkdir()
     d = Deployment(topology, tmp, namespace=f"ckpt{name}{os.getpid()}", status_pools={"agg": 1},
                    sets=[f"pools.agg.checkpoint.control_dir={control}", "pools.agg.checkpoint.poll_interval=0.1"],
-                   env={"HOME": str(home), "VLLM_ACTORS_HOME": models_home})
+                   env=private_home(tmp))
     d.start()
     return d, control
 
 
 def root_children(d: Deployment) -> dict[str, dict[str, Any]]:
-    """The root supervisor's children view, as ``nats req <ns>.supervisor.local.children '{}'``."""
-    async def ask() -> dict[str, Any]:
-        nc = await nats.connect(d.bus_url)
-        try:
-            msg = await nc.request(Subjects(d.namespace).supervisor("local", "children"), b"{}", timeout=5)
-            return json.loads(msg.data)
-        finally:
-            await nc.close()
-
-    return {c["id"]: c for c in asyncio.run(ask())["children"]}
+    """The root supervisor's children view by child id, as ``nats req <ns>.supervisor.local.children '{}'``."""
+    return {c["id"]: c for c in asyncio.run(scenarios.root_children(d.bus_url, d.namespace))}
 
 
 def descendants(pid: int) -> list[int]:
