@@ -92,7 +92,6 @@ class Actor:
         self.started_at = 0.0
         self.cancels = StreamCancels()
         self._sem = asyncio.Semaphore(max_concurrency)
-        self._in_flight = 0  # bounded handlers running now (the semaphore's holders)
         self._service: ServiceHandle | None = None
         self._registry: Registry | None = None
         self._done: asyncio.Future[None] | None = None
@@ -134,7 +133,8 @@ class Actor:
     # --- state ------------------------------------------------------------------------------------
     @property
     def in_flight(self) -> int:
-        return self._in_flight
+        """Requests of the bounded endpoints (those sharing ``max_concurrency``) running now."""
+        return self._service.bounded_in_flight() if self._service is not None else 0
 
     @property
     def registry(self) -> Registry | None:
@@ -225,20 +225,8 @@ class Actor:
     # --- transport wrappers --------------------------------------------------------------------------
     def _spec(self, ep: Endpoint) -> EndpointSpec:
         handler = self._streaming(ep) if ep.streaming else self._unary(ep)
-        if ep.bounded:
-            handler = self._counted(handler)
         return EndpointSpec(name=ep.name, subject=ep.subject, handler=handler, queue_group=ep.queue_group,
                             metadata=ep.metadata, concurrency=self._sem if ep.bounded else None)
-
-    def _counted(self, handler: Callable[[Msg], Any]) -> Callable[[Msg], Any]:
-        async def handle(msg: Msg) -> None:
-            self._in_flight += 1
-            try:
-                await handler(msg)
-            finally:
-                self._in_flight -= 1
-
-        return handle
 
     def _unary(self, ep: Endpoint) -> Callable[[Msg], Any]:
         async def handle(msg: Msg) -> None:

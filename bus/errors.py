@@ -8,7 +8,7 @@ actor itself (its supervisor should restart it), mirroring vLLM's EngineGenerate
 
 An error crosses the bus as its text, code and ``kind`` (``bus.wire``). A class declared with
 ``wire=True`` is rebuilt from its (kind, code) on the caller's side; the layers above declare their
-own (``actors.engines.errors.EngineDead``), so this module knows nothing of engines or supervisors.
+own (``actors.worker.contract.EngineDead``), so this module knows nothing of engines or supervisors.
 """
 
 from __future__ import annotations

@@ -154,6 +154,10 @@ class ServiceHandle:
         except Exception as e:
             log.debug("flush: %s", e)
 
+    def bounded_in_flight(self) -> int:
+        """Requests running now on the endpoints that have a concurrency bound."""
+        return sum(ep.in_flight for ep in self._endpoints if ep.spec.concurrency is not None)
+
     def in_flight_tasks(self) -> set[asyncio.Task[None]]:
         return set().union(*(ep.tasks for ep in self._endpoints)) if self._endpoints else set()
 

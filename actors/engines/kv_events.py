@@ -2,7 +2,7 @@
 
 The Structs below are wire-identical to ``vllm.distributed.kv_events`` (vllm 0.32): same field
 names, order, required fields, defaults, ``omit_defaults`` and ``tag=True`` (tag field ``"type"``,
-value = class name). ``tests/kv/test_vllm_events.py`` checks byte equality against vllm's own
+value = class name). ``tests/kv/test_kv_vllm_wire.py`` checks byte equality against vllm's own
 encoder when vllm is importable. This module is the canonical decoder for the KV publisher and the
 canonical encoder for the mocker engine (which must look exactly like vLLM on the wire).
 

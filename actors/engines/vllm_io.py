@@ -105,12 +105,13 @@ def _struct_items(struct: Any) -> list[tuple[str, Any]]:
 
 def _logprobs(token_ids: Any, per_token: Any, k: int) -> list[TokenLogprob]:
     """vLLM gives one {token_id: Logprob(logprob, rank, ...)} per generated token; keep the sampled
-    token's logprob and the top-k alternatives by rank (the sampled one included if it is top-k)."""
+    token's logprob and the top-k alternatives by rank (the sampled one included if it is top-k; k = -1:
+    all of them, as vLLM reads it)."""
     result = []
     for tid, entries in zip(token_ids, per_token, strict=False):
         entries = dict(entries or {})
         chosen = entries.get(tid)
-        top = sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= k),
+        top = sorted(((t, lp) for t, lp in entries.items() if lp.rank is not None and (k < 0 or lp.rank <= k)),
                      key=lambda item: item[1].rank)
         result.append(TokenLogprob(token_id=tid, logprob=float(chosen.logprob) if chosen else float("nan"),
                                    top=[(t, float(lp.logprob)) for t, lp in top]))

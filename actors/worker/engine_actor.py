@@ -25,7 +25,7 @@ from nats.aio.msg import Msg
 
 from actors.base import Actor, Endpoint
 from actors.engines.protocol import Engine
-from actors.instances.contract import InstanceRecord, ModelCard
+from actors.instances.contract import WORKER_KIND, InstanceRecord, ModelCard
 from actors.worker import contract as C
 from actors.worker.contract import (
     ClearKvBlocksRequest,
@@ -112,7 +112,7 @@ def _external_hits(engine: Engine) -> int:
 
 
 class EngineActor(Actor):
-    kind = "engine"
+    kind = WORKER_KIND
     description = "vLLM-style engine worker: generate (streaming) and control"
     deregister_grace = 0.5
 

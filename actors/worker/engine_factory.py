@@ -51,16 +51,14 @@ def engine_env(pool: PoolConfig, replica: int, cpu_slot: int | None) -> dict[str
     return env
 
 
-def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port: int | None = None,
-                 seed: int = 0, replica: int = 0, cpu_slot: int | None = None) -> Engine:
+def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, replica: int = 0,
+                 cpu_slot: int | None = None) -> Engine:
     """A fresh, not yet started engine for ``pool``. Decode workers publish no KV events.
     ``seed`` is a mocker's "weights" (a vLLM engine takes none here)."""
     served = model.name if model else "model"
     args: dict[str, Any] = dict(pool.engine_args)
     if model is not None and model.context_length is not None:
         args.setdefault("max_model_len", model.context_length)
-    if pool.role == "decode":
-        kv_events_port = None
     if pool.engine == "mocker":
         # no port picked here: the mocker binds its publisher and replay sockets to ports the
         # kernel chooses (a port picked free beforehand can be taken by the time it binds, and
@@ -73,12 +71,11 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, kv_events_port:
             vocab = _model_vocab_size(model.path)
             if vocab is not None:
                 args["vocab_size"] = vocab
-        return MockerEngine(args, role=pool.role, served_model_name=served, kv_events_port=kv_events_port,
-                            seed=seed)
+        return MockerEngine(args, role=pool.role, served_model_name=served, seed=seed)
     from actors.engines.vllm_engine import VllmEngine
 
-    if pool.role != "decode" and kv_events_port is None:
-        kv_events_port = free_port()  # vLLM takes its KV-event endpoints from its config
+    # vLLM takes its KV-event endpoints from its config; decode workers publish none
+    kv_events_port = free_port() if pool.role != "decode" else None
 
     if model is not None:  # the mocker takes no model path: it has no weights
         args.setdefault("model", model.path)

@@ -97,8 +97,8 @@ class KvPublisherActor(Actor):
         self.sources = list(sources)
         self.replay_timeout = replay_timeout
         self.idle_probe = idle_probe
-        # Create the metrics once per process (on the registry /metrics exports) and pass them to
-        # every incarnation: a restarted actor registering the counters again would collide.
+        # the worker passes its WorkerEnv.kv_metrics, so the counters outlive a restarted publisher;
+        # without one (tests), a private registry
         self.kv_metrics = metrics or KvPublisherMetrics()
         self.silent = role == "decode"
         self.subject = bus.subjects.kv_events(worker_instance)

@@ -56,9 +56,7 @@ def check_sampling(s: SamplingOptions, facts: ModelFacts) -> None:
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         if not math.isfinite(getattr(s, name)):
             raise BadRequest(f"{name} must be a finite number, got {getattr(s, name)}")
-    if s.min_tokens < 0 or s.min_tokens > s.max_tokens:
-        raise BadRequest(f"min_tokens must be in [0, max_tokens], got {s.min_tokens}")
-    try:
+    try:  # min_tokens, logprobs, token ids, seed, stop strings: the engine's own rules
         check_sampling_limits(s, Limits.of(facts))
     except LimitError as e:
         raise BadRequest(str(e), param=e.param) from None

@@ -22,18 +22,14 @@ import logging
 import time
 from collections import deque
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from actors.engines.kv_events import KVEventBatch, VllmKvEvent
+from actors.engines.kv_events import DEFAULT_TOPIC, REPLAY_END_SEQ, KVEventBatch, VllmKvEvent, encode_batch
 
 logger = logging.getLogger(__name__)
 
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-# The event Structs are actors.engines.kv_events' (the one local, byte-checked copy of vLLM's classes):
-# the KV publisher decodes with the same module, so the mocker cannot drift from the decoder.
+END_SEQ = REPLAY_END_SEQ.to_bytes(8, "big", signed=True)  # the replay end marker's seq frame
 
 
 class ZmqKvEventPublisher:
@@ -44,14 +40,13 @@ class ZmqKvEventPublisher:
     """
 
     def __init__(self, dp_rank: int, pub_port: int = 0, replay_port: int = 0,
-                 host: str = "127.0.0.1", topic: str = "kv-events",
+                 host: str = "127.0.0.1", topic: str = DEFAULT_TOPIC,
                  buffer_steps: int = 10_000, hwm: int = 100_000) -> None:
         self.dp_rank = dp_rank
         self.topic = topic
         self._topic_bytes = topic.encode()
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._encoder = msgspec.msgpack.Encoder()
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context.shadow(self._ctx)
         self._pub = self._ctx.socket(zmq.PUB)
@@ -93,7 +88,7 @@ class ZmqKvEventPublisher:
         if not events or self._closed:
             return
         batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=self.dp_rank)
-        payload = self._encoder.encode(batch)
+        payload = encode_batch(batch)  # the module the KV publisher decodes with: no drift
         seq = self._seq
         self._seq += 1
         with contextlib.suppress(zmq.Again):
