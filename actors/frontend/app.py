@@ -1,6 +1,6 @@
 """The HTTP server: aiohttp routes, the API key and error middleware, and the small endpoints
-(models, health, live, metrics). A generation request is read here and handed whole to
-``pipeline.CompletionPipeline``.
+(models, health, live, metrics). A generation request is handed to ``pipeline.CompletionPipeline``,
+which reads and serves it.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ from typing import Any
 
 from aiohttp import web
 
-from bus.errors import ActorError, PayloadTooLarge
+from bus.errors import ActorError
 from config import secrets
 from config.topology import FrontendConfig, ModelConfig
 
 from .completion_flow import WorkerLink
 from .discovery import WorkerSet
+from .http_guard import json_error
 from .metrics import FrontendMetrics
-from .openai_io import RETRY_AFTER_S, encode_json, error_body
+from .openai_io import RETRY_AFTER_S, encode_json
 from .pipeline import CompletionPipeline
 from .responses import now
 from .routing import Router
@@ -36,11 +37,6 @@ class Unauthorized(ActorError):
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(body=encode_json(obj), status=status, content_type=_JSON, headers=headers)
-
-
-def error_response(err: ActorError) -> web.Response:
-    headers = {"Retry-After": RETRY_AFTER_S} if err.code == 503 else None
-    return web.Response(body=error_body(err), status=err.code, content_type=_JSON, headers=headers)
 
 
 class FrontendApp:
@@ -79,22 +75,19 @@ class FrontendApp:
                     raise Unauthorized("invalid or missing API key")
             return await handler(request)
         except ActorError as e:
-            return error_response(e)
-        except web.HTTPRequestEntityTooLarge:
-            return error_response(PayloadTooLarge(
-                f"request body exceeds the limit of {self.config.max_body_bytes} bytes"))
+            return json_error(e)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
             err = ActorError(e.reason or "error", e.status)
             err.kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-            resp = error_response(err)
+            resp = json_error(err)
             if "Allow" in e.headers:  # a 405 must say which methods the route has (RFC 9110)
                 resp.headers["Allow"] = e.headers["Allow"]
             return resp
         except Exception as e:
             log.exception("internal error on %s", request.path)
-            return error_response(ActorError(f"internal error: {type(e).__name__}: {e}"))
+            return json_error(ActorError(f"internal error: {type(e).__name__}: {e}"))
 
     # --- info routes --------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:

@@ -20,6 +20,7 @@ import contextlib
 import logging
 from dataclasses import KW_ONLY, dataclass, field
 
+from actors.instances.contract import InstanceRecord
 from bus.context import BusContext
 from bus.registry import Registry
 from bus.tasks import cancel_and_wait
@@ -44,8 +45,8 @@ class InstanceConfirmer:
     _probing: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
     _rechecker: asyncio.Task[None] | None = field(default=None, init=False)
 
-    def put(self, key: str, value: bytes) -> None:
-        """Registry put (a ``watch_into`` callback): apply it, probe a new incarnation."""
+    def put(self, key: str, value: InstanceRecord) -> None:
+        """A ``BucketWatch`` put of ``<ns>-instances``: apply it, probe a new incarnation."""
         if self.workers.put_instance(key, value):
             self._probe(key)
         if self._rechecker is None:

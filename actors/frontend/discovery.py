@@ -10,7 +10,8 @@ Nothing in the buckets is believed on its own. A bucket can outlive the processe
 deployment SIGKILLed and started again within the TTL, an external NATS), so:
 
 - with ``verify=True`` an instance record is offered only once its instance has answered on the bus
-  (the transport calls ``confirm``; a record whose instance does not answer is a ghost: ``delete``);
+  (``confirm.InstanceConfirmer`` calls ``confirm``; a record whose instance does not answer is a ghost:
+  ``delete``);
 - model cards and LoRA placements are tied to live instances: ``models`` lists a model only while a
   request for it can be served now (a ready agg worker, or a ready decode worker plus a ready
   prefill worker unless decode-only fallback is allowed for it), and a LoRA only while a ready

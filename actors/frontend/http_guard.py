@@ -49,7 +49,7 @@ from typing import Any, cast
 from aiohttp import web
 from aiohttp.http import HttpProcessingError
 
-from bus.errors import ActorError, BadRequest, ClientTimeout, Overloaded
+from bus.errors import ActorError, BadRequest, ClientTimeout, Overloaded, PayloadTooLarge
 from config.topology import FrontendConfig
 
 from .metrics import FrontendMetrics
@@ -77,27 +77,40 @@ class Phase(enum.Enum):
     CLOSED = "closed"
 
 
-def raw_response(err: ActorError, headers: dict[str, str] | None = None) -> bytes:
+def _error_headers(err: ActorError) -> dict[str, str]:
+    """Every 503 says when to retry."""
+    return {"Retry-After": RETRY_AFTER_S} if err.code == 503 else {}
+
+
+def raw_response(err: ActorError) -> bytes:
     """A complete HTTP/1.1 error response that closes its connection, for answers written straight
     to the transport (no request was parsed, so aiohttp has nothing to answer through)."""
     body = error_body(err)
     lines = [f"HTTP/1.1 {err.code} {HTTPStatus(err.code).phrase}", f"Content-Type: {_JSON}",
              f"Content-Length: {len(body)}", "Connection: close"]
-    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    lines += [f"{k}: {v}" for k, v in _error_headers(err).items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
 
 
-def json_error(err: ActorError, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=error_body(err), status=err.code, content_type=_JSON, headers=headers)
+def json_error(err: ActorError) -> web.Response:
+    """An OpenAI-shaped error response (what every error of the HTTP surface is answered with)."""
+    return web.Response(body=error_body(err), status=err.code, content_type=_JSON, headers=_error_headers(err))
 
 
-async def read_body(request: web.BaseRequest, timeout: float, metrics: FrontendMetrics) -> bytes:
-    """The request body, received within ``timeout`` seconds (408 otherwise). A body aiohttp's
-    parser refuses mid-way (an undecodable Content-Encoding) is a 400. Its C parser does not pass
-    chunk framing errors that arrive after the head to the body's reader: those end at the timeout."""
+async def read_body(request: web.BaseRequest, timeout: float, limit: int, metrics: FrontendMetrics) -> bytes:
+    """The request body, received within ``timeout`` seconds (408 otherwise) and at most ``limit``
+    bytes (413: told by Content-Length before reading, or by aiohttp's ``client_max_size`` while
+    reading a chunked body). A body aiohttp's parser refuses mid-way (an undecodable
+    Content-Encoding) is a 400. Its C parser does not pass chunk framing errors that arrive after the
+    head to the body's reader: those end at the timeout."""
+    too_large = PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
     try:
         async with asyncio.timeout(timeout):
             return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_large from None
     except TimeoutError:
         metrics.http_timeouts.labels("body").inc()
         log.debug("request body from %s not received within %g s", request.remote, timeout)
@@ -246,8 +259,7 @@ class GuardedConnection(web.RequestHandler):
         if not self._guard.admit():
             # aiohttp never sees this connection: no read loop, no parser run
             self._answer(Overloaded(f"too many connections (max_connections = "
-                                    f"{self._guard.config.max_connections}); retry shortly"),
-                         {"Retry-After": RETRY_AFTER_S})
+                                    f"{self._guard.config.max_connections}); retry shortly"))
             return
         self._served = self._slot = True
         super().connection_made(transport)
@@ -341,13 +353,13 @@ class GuardedConnection(web.RequestHandler):
                   self._guard.config.keepalive_timeout)
         self._close_now()
 
-    def _answer(self, err: ActorError, headers: dict[str, str] | None = None) -> None:
+    def _answer(self, err: ActorError) -> None:
         """Write a closing error response, stop writing, and close for good after LINGER_S."""
         self._enter(Phase.CLOSING, LINGER_S, self._abort)
         tr = self._transport
         if tr is None or tr.is_closing():
             return
-        tr.write(raw_response(err, headers))
+        tr.write(raw_response(err))
         if tr.can_write_eof():
             tr.write_eof()
 

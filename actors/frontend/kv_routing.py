@@ -19,13 +19,12 @@ from collections.abc import Sequence
 from prometheus_client import CollectorRegistry
 
 from actors.instances.contract import InstanceRecord
-from actors.instances.watch import BucketWatch
+from actors.instances.watch import RETRY, BucketWatch
 from actors.router.cost import RouterConfig
 from actors.router.feed import KvRouterFeed
 from actors.router.kv_router import KvRouter
 from actors.router.metrics import RouterMetrics
 from actors.router.service import RouterState
-from bus.backoff import Backoff
 from bus.context import BusContext
 from bus.tasks import cancel_and_wait
 from config.topology import FrontendConfig
@@ -35,8 +34,6 @@ from .routing import _candidates
 
 log = logging.getLogger(__name__)
 
-# Between attempts to start the feed (its subscriptions), while the router routes on its own decisions.
-FEED_RETRY = Backoff(initial=0.5, max=10.0)
 
 
 class KvPolicy:
@@ -110,7 +107,7 @@ class KvPolicy:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the router keeps routing on its own decisions meanwhile
-                delay = FEED_RETRY.delay(attempt)
+                delay = RETRY.delay(attempt)
                 log.warning("kv router: feed failed to start (%s); retrying in %.1fs", e, delay)
                 await feed.stop()
                 await asyncio.sleep(delay)

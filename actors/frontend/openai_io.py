@@ -129,13 +129,12 @@ def to_sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
             raise BadRequest("structural_tag response formats are not supported")
         structured = StructuredOutput(json=so.json, json_object=so.json_object, regex=so.regex,
                                       choice=so.choice, grammar=so.grammar)
-    if sp.allowed_token_ids is not None and not sp.allowed_token_ids:
-        # vLLM's engine refuses it; dropped here as "unset", it would sample from the whole vocabulary
-        raise BadRequest("allowed_token_ids is not None and empty!", param="allowed_token_ids")
     extra: dict[str, Any] = {}
     for name in _EXTRA_FIELDS:
         v = getattr(sp, name, None)
-        if v:
+        # an empty allowed_token_ids is kept: dropped as "unset" it would sample from the whole
+        # vocabulary; the limits refuse it as vLLM's engine does
+        if v or (name == "allowed_token_ids" and v is not None):
             extra[name] = v
     if getattr(req, "kv_transfer_params", None):
         raise BadRequest("kv_transfer_params is set by the frontend, not by clients")

@@ -16,7 +16,7 @@ import time
 
 from aiohttp import web
 
-from bus.errors import ActorError, PayloadTooLarge
+from bus.errors import ActorError
 from config.topology import FrontendConfig, ModelConfig
 
 from .choices import Arrival, Choice, build_choices, merged
@@ -52,10 +52,7 @@ class CompletionPipeline:
         t0 = time.perf_counter()
         m = self.metrics
         endpoint = "chat" if chat else "completions"
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        body = await read_body(request, self.config.body_timeout, m)
+        body = await read_body(request, self.config.body_timeout, self.config.max_body_bytes, m)
         label = "unknown"
         status = 500
         try:
@@ -116,6 +113,7 @@ class CompletionPipeline:
             first = await anext(arrivals, None)  # errors before any output get a real HTTP status
             t_first = time.perf_counter()
             m.ttft.labels(label).observe(t_first - t0)
+            itl = m.itl.labels(label)  # bound once: a labels() lookup per chunk is a lock and a dict
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                **out.headers()})
             try:
@@ -133,7 +131,7 @@ class CompletionPipeline:
                             await resp.write(frame)
                         t = time.perf_counter()
                         if item is not first and chunk.token_ids:
-                            m.itl.labels(label).observe((t - last) / len(chunk.token_ids))
+                            itl.observe((t - last) / len(chunk.token_ids))
                         last = t
                     item = await anext(arrivals, None)
                 for frame in out.sse_end():

@@ -54,10 +54,16 @@ class Quarantine:
     def __init__(self, ttl: float = 300.0, max_entries: int = 10_000) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
-        self._until: dict[str, float] = {}  # fingerprint -> monotonic expiry
+        # fingerprint -> monotonic expiry, in insertion order, which is expiry order (one ttl)
+        self._until: dict[str, float] = {}
         self.total = 0
 
     def __len__(self) -> int:
+        """Fingerprints quarantined now: flows skip hashing their prompt while this is 0, so expired
+        entries must not keep it up."""
+        now = time.monotonic()
+        while self._until and next(iter(self._until.values())) <= now:
+            del self._until[next(iter(self._until))]
         return len(self._until)
 
     def check(self, fp: str) -> None:
@@ -76,8 +82,9 @@ class Quarantine:
         """Quarantine ``fp``; the error to fail the request with."""
         self.total += 1
         if self.ttl > 0:
+            self._until.pop(fp, None)  # re-added: to the end, keeping insertion order = expiry order
             if len(self._until) >= self.max_entries:  # bounded: drop the entry closest to expiry
-                self._until.pop(min(self._until, key=self._until.__getitem__))
+                del self._until[next(iter(self._until))]
             self._until[fp] = time.monotonic() + self.ttl
         log.error("request %s quarantined: workers %s died while serving it; not retried%s", request_id,
                   ", ".join(workers), f", identical requests refused for {self.ttl:g}s" if self.ttl > 0 else "")
