@@ -25,8 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from actors.instances.contract import InstanceRecord, ModelCard
 
 log = logging.getLogger(__name__)
@@ -86,9 +84,8 @@ class WorkerSet:
         self.listeners: list[Callable[[], None]] = []
 
     # --- registry updates ----------------------------------------------------------------------
-    def put_instance(self, key: str, value: bytes | InstanceRecord) -> bool:
+    def put_instance(self, key: str, rec: InstanceRecord) -> bool:
         """Apply a record; True when its instance still has to be confirmed live (``confirm``)."""
-        rec = value if isinstance(value, InstanceRecord) else msgspec.json.decode(value, type=InstanceRecord)
         old = self._records.get(key)
         if old is not None and old.started_at != rec.started_at:
             self._confirmed.discard((old.instance, old.started_at))  # that incarnation is gone
@@ -128,8 +125,7 @@ class WorkerSet:
             self._confirmed.discard((rec.instance, rec.started_at))
             self._rebuild()
 
-    def put_model(self, key: str, value: bytes | ModelCard) -> None:
-        card = value if isinstance(value, ModelCard) else msgspec.json.decode(value, type=ModelCard)
+    def put_model(self, key: str, card: ModelCard) -> None:
         self._cards[key] = card
         self._rebuild()
 
@@ -137,9 +133,8 @@ class WorkerSet:
         if self._cards.pop(key, None) is not None:
             self._rebuild()
 
-    def put_lora(self, key: str, value: bytes | dict[str, Any]) -> None:
+    def put_lora(self, key: str, v: dict[str, Any]) -> None:
         """ns-loras: key ``<worker instance>.<lora_name>``, value a LoraRecord (lora_name, instance, model)."""
-        v = value if isinstance(value, dict) else msgspec.json.decode(value)
         name = v.get("lora_name") or key.split(".", 1)[-1]
         inst = v.get("instance") or key.split(".", 1)[0]
         self._lora_keys[key] = (name, inst)

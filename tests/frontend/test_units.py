@@ -100,10 +100,9 @@ def test_worker_set_tracks_registry() -> None:
     calls = []
     ws.listeners.append(lambda: calls.append(1))
 
-    def rec(i: str, role: str = "agg", status: str = "ready", kind: str = "engine") -> bytes:
-        return msgspec.json.encode(InstanceRecord(instance=i, kind=kind, role=role, model="m", host="h",
-                                                  pid=1, pool=role, generate_subject=f"ns.{role}.generate.{i}",
-                                                  status=status))
+    def rec(i: str, role: str = "agg", status: str = "ready", kind: str = "engine") -> InstanceRecord:
+        return InstanceRecord(instance=i, kind=kind, role=role, model="m", host="h", pid=1, pool=role,
+                              generate_subject=f"ns.{role}.generate.{i}", status=status)
 
     ws.put_instance("w1", rec("w1"))
     ws.put_instance("w2", rec("w2", status="sleeping"))
@@ -117,13 +116,13 @@ def test_worker_set_tracks_registry() -> None:
     assert [w.instance for w in ws.serving_workers("m")] == ["w2"]
     card = ModelCard(served_model_name="m", pool="agg", role="agg", model_path="/x", tokenizer_path="/x",
                      context_length=100, kv_block_size=16, total_kv_blocks=10)
-    ws.put_model("m.agg", msgspec.json.encode(card))
+    ws.put_model("m.agg", card)
     assert ws.resolve_model("m")[1] is None and not ws.models["m"].has_prefill_pool
     ws.put_instance("w1", rec("w1"))  # back
     rec = LoraRecord(lora_name="ad", lora_id=1, path="/a", uri="file:///a", instance="w2", model="m")
-    ws.put_lora("w2.ad", msgspec.json.encode(rec))
-    ws.put_lora("w1.ad", msgspec.json.encode(msgspec.structs.replace(rec, instance="w1")))
-    ws.put_lora("gone.ad", msgspec.json.encode(msgspec.structs.replace(rec, instance="gone")))
+    ws.put_lora("w2.ad", msgspec.to_builtins(rec))
+    ws.put_lora("w1.ad", msgspec.to_builtins(msgspec.structs.replace(rec, instance="w1")))
+    ws.put_lora("gone.ad", msgspec.to_builtins(msgspec.structs.replace(rec, instance="gone")))
     entry, lora = ws.resolve_model("ad")
     # a placement on an instance that is not live (a dead run's record) is never offered
     assert entry.name == "m" and lora == "ad" and ws.lora_instances("ad") == {"w1", "w2"}
@@ -137,16 +136,14 @@ def test_worker_set_tracks_registry() -> None:
     assert ws.resolve_model("m") is None and calls
 
 
-def _card(pool: str, role: str, name: str = "m") -> bytes:
-    return msgspec.json.encode(ModelCard(served_model_name=name, pool=pool, role=role, model_path="/x",
-                                         tokenizer_path="/x", context_length=100, kv_block_size=16,
-                                         total_kv_blocks=10))
+def _card(pool: str, role: str, name: str = "m") -> ModelCard:
+    return ModelCard(served_model_name=name, pool=pool, role=role, model_path="/x", tokenizer_path="/x",
+                     context_length=100, kv_block_size=16, total_kv_blocks=10)
 
 
-def _rec(i: str, role: str, started_at: float = 1.0) -> bytes:
-    return msgspec.json.encode(InstanceRecord(instance=i, kind="engine", role=role, model="m", host="h", pid=1,
-                                              pool=role, generate_subject=f"ns.{role}.generate.{i}",
-                                              started_at=started_at))
+def _rec(i: str, role: str, started_at: float = 1.0) -> InstanceRecord:
+    return InstanceRecord(instance=i, kind="engine", role=role, model="m", host="h", pid=1, pool=role,
+                          generate_subject=f"ns.{role}.generate.{i}", started_at=started_at)
 
 
 def test_models_are_listed_only_while_servable() -> None:
