@@ -67,6 +67,21 @@ class Subjects:
     def load_all(self) -> str:
         return f"{self.ns}.load.*"
 
+    # observations: each frontend's per-interval request statistics (the planner reads them)
+    def metrics_frontend(self, instance: str) -> str:
+        return f"{self.ns}.metrics.frontend.{check_token(instance)}"
+
+    def metrics_frontend_all(self) -> str:
+        return f"{self.ns}.metrics.frontend.*"
+
+    # the planner: its micro-service verbs (status, decisions, profile) ...
+    def planner(self, verb: str) -> str:
+        return f"{self.ns}.planner.{check_token(verb)}"
+
+    # ... and every decision it takes, as it takes it
+    def planner_decision(self) -> str:
+        return f"{self.ns}.planner.decision"
+
     # supervisors
     def supervisor(self, host: str, verb: str) -> str:
         return f"{self.ns}.supervisor.{check_token(host)}.{verb}"

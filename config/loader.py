@@ -309,15 +309,7 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         fail(f"pools.{first}.engine", "prefill and decode pools must use the same engine (KV cannot cross engines)")
 
     if t.planner.enabled:
-        token("planner.host", t.planner.host, "host name")
-        if not t.pools:
-            fail("planner.enabled", "the planner scales pools, but no [pools.*] are defined")
-        positive("planner.interval", t.planner.interval)
-        if t.planner.min_replicas < 1:
-            fail("planner.min_replicas", f"expected int >= 1, got {t.planner.min_replicas}")
-        if t.planner.max_replicas < t.planner.min_replicas:
-            fail("planner.max_replicas", f"expected >= planner.min_replicas ({t.planner.min_replicas}), "
-                 f"got {t.planner.max_replicas}")
+        _check_planner(t, fail, token, positive)
 
     for i, h in enumerate(t.echo_hosts):
         token(f"echo_hosts.{i}", h, "host name")
@@ -382,3 +374,44 @@ def _check_pool(name: str, pool: PoolConfig, t: Topology, fail: Any, token: Any,
     # engine_args are not checked here: vLLM validates its own AsyncEngineArgs in the worker, and
     # the mocker's arguments are the mocker's business.
     _check_supervisor(pool.supervisor, f"{key}.supervisor", fail, positive)
+
+
+def _check_planner(t: Topology, fail: Any, token: Any, positive: Any) -> None:
+    pl = t.planner
+    token("planner.host", pl.host, "host name")
+    if not t.pools:
+        fail("planner.enabled", "the planner scales pools, but no [pools.*] are defined")
+    positive("planner.interval", pl.interval)
+    positive("planner.ttft_target_ms", pl.ttft_target_ms)
+    positive("planner.itl_target_ms", pl.itl_target_ms)
+    if pl.min_replicas < 1:
+        fail("planner.min_replicas", f"expected int >= 1, got {pl.min_replicas}")
+    if pl.budget < 1:
+        fail("planner.budget", f"expected int >= 1, got {pl.budget}")
+    if pl.history < 2:
+        fail("planner.history", f"expected int >= 2, got {pl.history}")
+    if not 0 < pl.sensitivity <= 1:
+        fail("planner.sensitivity", f"expected a fraction in (0, 1], got {pl.sensitivity}")
+    for host, n in pl.host_budget.items():
+        token(f"planner.host_budget.{host}", host, "host name")
+        if n < 0:
+            fail(f"planner.host_budget.{host}", f"expected int >= 0, got {n}")
+    positive("planner.start_backoff.initial", pl.start_backoff.initial)
+    floor = 0
+    for name, pp in pl.pools.items():
+        if name not in t.pools:
+            fail(f"planner.pools.{name}", f"no pool {name!r} in [pools] (pools: {', '.join(t.pools)})")
+        lo = pp.min_replicas if pp.min_replicas is not None else pl.min_replicas
+        if lo < 0 or (pp.managed and lo < 1):
+            fail(f"planner.pools.{name}.min_replicas", f"expected int >= 1, got {lo}")
+        if pp.max_replicas is not None and pp.max_replicas < lo:
+            fail(f"planner.pools.{name}.max_replicas", f"expected >= min_replicas ({lo}), got {pp.max_replicas}")
+        if pp.engines_per_replica is not None and pp.engines_per_replica < 1:
+            fail(f"planner.pools.{name}.engines_per_replica", f"expected int >= 1, got {pp.engines_per_replica}")
+    for name in t.pools:
+        pp = pl.pools.get(name)
+        lo = pl.min_replicas if pp is None or pp.min_replicas is None else pp.min_replicas
+        per = pp.engines_per_replica if pp is not None and pp.engines_per_replica else 1
+        floor += per * (lo if pp is None or pp.managed else t.pools[name].replicas)
+    if floor > pl.budget:
+        fail("planner.budget", f"{pl.budget} engines cannot hold every pool's minimum ({floor} engines)")

@@ -142,6 +142,9 @@ class FrontendConfig(_Strict):
     # a request whose serving workers died twice while serving it fails and is not retried;
     # identical requests are then refused for this many seconds (0: fail it, refuse nothing)
     quarantine_ttl: float = 300.0
+    # seconds per window of request counts, ISL/OSL and TTFT/ITL histograms the frontend publishes
+    # on <ns>.metrics.frontend.<instance> (the planner's observations); 0: publish none
+    observe_interval: float = 2.0
 
 
 class HealthConfig(_Strict):
@@ -192,14 +195,48 @@ class PoolConfig(_Strict):
         default_factory=lambda: SupervisorConfig(strategy="rest_for_one"))
 
 
+class PlannerPoolConfig(_Strict):
+    """Per-pool planner settings (``[planner.pools.<pool>]``); unset fields take the planner's."""
+
+    managed: bool = True  # false: the planner reports this pool but never scales it
+    min_replicas: int | None = None  # default: planner.min_replicas
+    max_replicas: int | None = None  # default: as many as the budget allows
+    # engines one replica occupies (counted against the budgets); default: the product of the
+    # pool's tensor/pipeline/data-parallel sizes in engine_args (1 for the mocker)
+    engines_per_replica: int | None = None
+    profile: str | None = None  # throughput mode's profile file (default <profile_dir>/<pool>.json)
+
+
 class PlannerConfig(_Strict):
+    """The SLA planner (``actors.planner``): scales pools so that TTFT and ITL targets hold with as
+    few engines as possible. Replica counts in ``[pools.*]`` are the start; the planner moves them."""
+
     enabled: bool = False
-    host: str = "local"
-    interval: float = 10.0
-    ttft_target_ms: float | None = None
-    itl_target_ms: float | None = None
-    min_replicas: int = 1
-    max_replicas: int = 4
+    host: str = "local"  # the host whose root runs the planner actor
+    # throughput: predict the next interval's demand, size pools from a measured profile;
+    # load: fit step time on live per-step timings, add/remove one replica at a time
+    mode: Literal["throughput", "load"] = "throughput"
+    no_op: bool = False  # decide, publish and log, but never scale
+    interval: float | None = None  # seconds between decisions (default 180 throughput, 5 load)
+    ttft_target_ms: float = 500.0
+    itl_target_ms: float = 50.0
+    min_replicas: int = 1  # per pool
+    budget: int = 8  # engines over every pool and host together
+    host_budget: dict[str, int] = {}  # engines per host (a host not listed: only the total)
+    predictor: Literal["constant", "linear", "kalman", "arima"] = "constant"
+    history: int = 32  # past intervals a predictor sees
+    # load mode: scale down by one when every engine of a pool is under target x this
+    sensitivity: float = 0.7
+    profile_dir: str | None = None  # default: <run_dir>/profiles
+    # a pool whose new replica failed to start is not grown again until this backoff has passed
+    start_backoff: BackoffConfig = msgspec.field(
+        default_factory=lambda: BackoffConfig(initial=10.0, max=300.0, multiplier=2.0, jitter=0.1))
+    pools: dict[str, PlannerPoolConfig] = {}
+
+    def effective_interval(self) -> float:
+        if self.interval is not None:
+            return self.interval
+        return 180.0 if self.mode == "throughput" else 5.0
 
 
 class SystemdConfig(_Strict):

@@ -31,6 +31,8 @@ class Slot:
     started_mono: float | None = None
     last_exit_reason: str | None = None
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
+    # added by ``spawn`` and never up yet: a failed first start discards it (OTP's start_child)
+    spawning: bool = False
 
     def view(self) -> dict[str, Any]:
         """What ``Supervisor.children()`` reports for this child (nested supervisors included)."""

@@ -126,8 +126,10 @@ class Supervisor:
                 raise r
 
     async def spawn(self, spec: ChildSpec) -> None:
-        """Add a child at the end of the start order and start it; return once it is up, raise
-        the start error if its first start fails (it is then restarted per its spec)."""
+        """Add a child at the end of the start order and start it; return once it is up. If its
+        first start fails the child is discarded and the start error raised, as OTP's
+        ``start_child`` does: a spawn that cannot start (a planner growing a broken pool) must
+        not become a child restarted forever and counted against the restart intensity."""
         waiter = await self._call(lambda: self._cmd_spawn(spec))
         await waiter
 
@@ -232,6 +234,11 @@ class Supervisor:
         slot.last_exit_reason = reason
         spec = slot.spec
         slot.resolve(exc or Unavailable(f"child {spec.id} exited"))
+        if slot.spawning:
+            log.warning("supervisor %s: spawned child %s failed to start (%s): discarded, not restarted",
+                        self.name, spec.id, reason)
+            self._slots.remove(slot)
+            return
         if spec.restart == "temporary" or (spec.restart == "transient" and exc is None):
             log.info("supervisor %s: child %s exited (%s), %s: not restarted",
                      self.name, spec.id, reason, spec.restart)
@@ -293,6 +300,7 @@ class Supervisor:
     def _mark_up(self, slot: Slot, child: Child) -> None:
         spec = slot.spec
         slot.child = child
+        slot.spawning = False
         slot.gen += 1
         slot.state = "running"
         slot.started_at, slot.started_mono = time.time(), time.monotonic()
@@ -345,7 +353,7 @@ class Supervisor:
     async def _cmd_spawn(self, spec: ChildSpec) -> asyncio.Future[None]:
         if any(s.spec.id == spec.id for s in self._slots):
             raise Conflict(f"supervisor {self.name} already has a child {spec.id!r}")
-        slot = Slot(spec, state="restarting", deadline=time.monotonic())
+        slot = Slot(spec, state="restarting", deadline=time.monotonic(), spawning=True)
         self._slots.append(slot)
         log.info("supervisor %s: spawning %s", self.name, spec.id)
         return self._waiter(slot)

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("actors.engines",),                                     # engine protocol and implementations
     ("actors.kv",),                                          # router block hashing, event translation
     ("actors.router", "actors.worker"),                      # KV routing; what runs in a worker process
-    ("actors.frontend", "actors.echo"),                      # actors that call workers
+    ("actors.frontend", "actors.echo", "actors.planner"),    # actors that call workers
     ("deploy", "actors.supervisor"),                         # deployment assembly, the CLI (and its alias)
 ]
 # A wire contract (an actor package's ``contract`` module) is the shared language of callers and

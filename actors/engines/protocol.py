@@ -134,6 +134,18 @@ class EngineStats(msgspec.Struct, kw_only=True):
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
+class StepSample(msgspec.Struct, array_like=True):
+    """One scheduler step of one DP rank, as the load-mode planner fits step time on it:
+    prefill tokens -> step time, decode KV tokens -> step time. Array-like: a load report carries
+    hundreds of them per second at high step rates."""
+
+    prefill_tokens: int  # new (uncached) prompt tokens computed in the step
+    decode_requests: int  # requests that decoded one token in the step
+    kv_tokens: int  # KV tokens in use during the step (active blocks x block size)
+    elapsed_ms: float  # the step's wall time
+    dp_rank: int = 0
+
+
 class KvEventSource(msgspec.Struct, kw_only=True):
     """Where one DP rank publishes its KV events (vLLM's ZMQ wire format)."""
 
@@ -202,6 +214,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> list[EngineStats]:
         """Latest stats, one per DP rank."""
+
+    def take_steps(self) -> list[StepSample]:
+        """Step samples recorded since the last call (bounded: the oldest are dropped when nobody
+        takes them). An engine that cannot time its steps returns none."""
+        return []
 
     @abc.abstractmethod
     def kv_event_sources(self) -> list[KvEventSource]:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from actors.engines.protocol import EngineOutput, KvEventSource, SamplingOptions
+from actors.engines.protocol import EngineOutput, KvEventSource, SamplingOptions, StepSample
 from bus.errors import FatalError
 
 
@@ -192,6 +192,8 @@ class LoadReport(msgspec.Struct, kw_only=True):
     total_kv_blocks: int
     prefix_hit_rate: float = 0.0
     ts: float = 0.0
+    # scheduler steps of this rank since the previous report (the load-mode planner's samples)
+    steps: list[StepSample] = []
 
 
 def output_to_chunk(out: EngineOutput, index: int = 0) -> GenerateChunk:

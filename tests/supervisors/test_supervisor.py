@@ -324,7 +324,12 @@ async def test_runtime_api(pool: Pool) -> None:
     pool.start_failures["w2"] = 1
     with pytest.raises(RuntimeError, match="cannot start"):
         await sup.spawn(pool.spec("w2"))
-    await until(running(sup, pool, "w2", 2))  # permanent: restarted after the failed first start
+    # OTP's start_child: a child whose first start fails is discarded, not restarted or counted
+    assert "w2" not in [c["id"] for c in sup.children()]
+    await asyncio.sleep(0.1)
+    assert pool.count("w2") == 1
+    await sup.spawn(pool.spec("w2"))  # the same id may be spawned again
+    await until(running(sup, pool, "w2", 2))
 
     await sup.escalate("liveness probe failed", child="a")  # restart that child, with a reason
     await until(running(sup, pool, "a", 2))

@@ -1,0 +1,252 @@
+"""Wire contract of the SLA planner: what it observes, what it decides, and the profile it reads.
+
+- ``FrontendWindow``: each frontend publishes one per ``frontend.observe_interval`` on
+  ``Subjects.metrics_frontend(instance)`` (JSON, so ``nats sub`` shows it as it is).
+- Workers' ``LoadReport``s (``actors.worker.contract``) carry per-step timings (``StepSample``).
+- ``Decision``: published on ``Subjects.planner_decision()`` every interval and kept for the
+  ``decisions`` verb; ``PlannerStatus`` answers ``status``.
+- ``Profile``: the file ``python -m actors.planner.profile`` writes and throughput mode reads.
+
+Histograms are cumulative-free (a count per bucket) so windows from several frontends merge by
+adding counts.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Literal
+
+import msgspec
+
+VERB_STATUS = "status"
+VERB_DECISIONS = "decisions"
+VERB_PROFILE = "profile"
+VERBS = (VERB_STATUS, VERB_DECISIONS, VERB_PROFILE)
+
+PLANNER_KIND = "planner"  # the actor's kind in the registry and its micro service name
+
+# bucket upper bounds (ms); the last bucket of a histogram is everything above the last bound
+TTFT_BOUNDS_MS: tuple[float, ...] = (10, 25, 50, 75, 100, 150, 200, 300, 400, 500, 650, 800, 1000,
+                                     1500, 2000, 3000, 5000, 10000, 30000)
+ITL_BOUNDS_MS: tuple[float, ...] = (1, 2, 5, 10, 15, 20, 25, 30, 40, 50, 60, 75, 100, 150, 200,
+                                    300, 500, 1000)
+
+
+class Histogram(msgspec.Struct, kw_only=True):
+    """Latencies in ms: ``counts[i]`` observations <= ``bounds_ms[i]`` (and above the one before);
+    ``counts[-1]`` those above the last bound."""
+
+    bounds_ms: list[float]
+    counts: list[int]
+    sum_ms: float = 0.0
+
+    @classmethod
+    def empty(cls, bounds: tuple[float, ...]) -> Histogram:
+        return cls(bounds_ms=list(bounds), counts=[0] * (len(bounds) + 1))
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def observe(self, ms: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds_ms, ms)] += 1
+        self.sum_ms += ms
+
+    def merge(self, other: Histogram) -> None:
+        if other.bounds_ms != self.bounds_ms:
+            raise ValueError("histograms with different buckets do not merge")
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.sum_ms += other.sum_ms
+
+    def mean(self) -> float | None:
+        n = self.count
+        return self.sum_ms / n if n else None
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile, linearly interpolated within its bucket (the overflow bucket answers
+        with the last bound: a lower bound of the truth)."""
+        n = self.count
+        if not n:
+            return None
+        rank = q * n
+        seen = 0
+        for i, c in enumerate(self.counts):
+            if c and seen + c >= rank:
+                if i == len(self.bounds_ms):
+                    return self.bounds_ms[-1]
+                lo = self.bounds_ms[i - 1] if i else 0.0
+                return lo + (self.bounds_ms[i] - lo) * max(0.0, rank - seen) / c
+            seen += c
+        return self.bounds_ms[-1]
+
+    def share_at_most(self, ms: float) -> float | None:
+        """Fraction of observations <= ``ms`` (exact at bucket bounds, interpolated between)."""
+        n = self.count
+        if not n:
+            return None
+        i = bisect.bisect_left(self.bounds_ms, ms)
+        below = sum(self.counts[:i])
+        if i < len(self.bounds_ms):
+            lo = self.bounds_ms[i - 1] if i else 0.0
+            below += self.counts[i] * (ms - lo) / (self.bounds_ms[i] - lo)
+        return min(1.0, below / n)
+
+
+class FrontendWindow(msgspec.Struct, kw_only=True):
+    """One frontend's engine requests over ``[start, end)`` (wall clock). A request is one engine
+    request (one choice of ``n``); ``requests`` counts those that started in the window, the token
+    sums those that finished in it."""
+
+    instance: str
+    model: str | None = None
+    start: float
+    end: float
+    requests: int = 0
+    finished: int = 0
+    failed: int = 0
+    isl_tokens: int = 0  # prompt tokens of the finished requests
+    osl_tokens: int = 0  # generated tokens of the finished requests
+    cached_tokens: int = 0  # prompt tokens the serving engine found cached
+    ttft: Histogram = msgspec.field(default_factory=lambda: Histogram.empty(TTFT_BOUNDS_MS))
+    itl: Histogram = msgspec.field(default_factory=lambda: Histogram.empty(ITL_BOUNDS_MS))
+
+
+# --- decisions -------------------------------------------------------------------------------------
+class Observed(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the planner saw over its last interval (None: nothing to see, e.g. no traffic)."""
+
+    request_rate: float = 0.0  # engine requests per second
+    isl: float | None = None  # mean prompt tokens
+    osl: float | None = None  # mean generated tokens
+    kv_hit_rate: float | None = None  # cached / prompt tokens
+    ttft_ms: float | None = None  # mean
+    itl_ms: float | None = None  # mean
+    ttft_p90_ms: float | None = None
+    itl_p90_ms: float | None = None
+
+
+class Action(msgspec.Struct, kw_only=True, omit_defaults=True):
+    kind: Literal["spawn", "stop"]
+    pool: str
+    child: str
+    host: str
+    outcome: Literal["ok", "failed", "planned"] = "planned"  # planned: no-op mode, or not yet done
+    error: str | None = None
+    seconds: float | None = None  # how long the supervisor took
+
+
+class PoolDecision(msgspec.Struct, kw_only=True, omit_defaults=True):
+    pool: str
+    role: str
+    current: int  # replicas the supervisors run (their children views) when deciding
+    ready: int  # of which registered and serving
+    desired: int  # what the mode asked for, before constraints
+    target: int  # after min/max replicas, budgets and start backoff
+    reason: str  # why desired, in words (numbers included)
+    constraint: str | None = None  # what moved target away from desired
+
+
+class Decision(msgspec.Struct, kw_only=True, omit_defaults=True):
+    seq: int
+    ts: float
+    mode: Literal["throughput", "load"]
+    no_op: bool
+    interval: float
+    observed: Observed
+    predicted: Observed | None = None  # throughput mode: the next interval's demand
+    pools: list[PoolDecision] = []
+    actions: list[Action] = []
+
+
+class PoolStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
+    pool: str
+    role: str
+    host: str
+    managed: bool
+    current: int
+    ready: int
+    min_replicas: int
+    max_replicas: int
+    engines_per_replica: int
+    children: list[str] = []  # the root's child ids of this pool's workers
+    start_failures: int = 0  # consecutive failed starts
+    backoff_until: float | None = None  # wall clock; no new replica before it
+    pending: str | None = None  # the change in progress ("spawn worker-decode-2")
+    profile: str | None = None  # the profile file throughput mode uses
+
+
+class PlannerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
+    instance: str
+    mode: Literal["throughput", "load"]
+    no_op: bool
+    interval: float
+    ttft_target_ms: float
+    itl_target_ms: float
+    budget: int
+    engines: int  # engines the managed and unmanaged pools occupy now
+    predictor: str
+    pools: list[PoolStatus] = []
+    last_decision: Decision | None = None
+
+
+class DecisionsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    limit: int = 20  # the newest this many, oldest first
+
+
+class ProfileRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pool: str | None = None  # None: a summary of every pool's profile
+
+
+# --- profile ---------------------------------------------------------------------------------------
+class PrefillPoint(msgspec.Struct, kw_only=True):
+    """``concurrency`` requests of ``isl`` uncached prompt tokens kept in flight on one engine."""
+
+    isl: int
+    concurrency: int
+    ttft_ms: float  # mean time to first token
+    tokens_per_s: float  # prompt tokens the engine prefilled per second
+
+
+class DecodePoint(msgspec.Struct, kw_only=True):
+    """``concurrency`` requests decoding with ``context`` tokens each on one engine."""
+
+    context: int
+    concurrency: int
+    itl_ms: float  # mean inter-token latency
+    tokens_per_s: float  # generated tokens per second, all requests together
+
+
+PROFILE_VERSION = 1
+
+
+class Profile(msgspec.Struct, kw_only=True):
+    """One pool's measured performance, per engine (``python -m actors.planner.profile``)."""
+
+    version: int = PROFILE_VERSION
+    pool: str
+    role: str
+    engine: str  # vllm | mocker
+    model: str
+    made_by: str  # the command line that measured it
+    made_at: float  # wall clock
+    engines_per_replica: int = 1
+    kv_capacity_tokens: int  # KV cache of one engine, in tokens
+    max_num_seqs: int  # running requests one engine admits
+    prefill: list[PrefillPoint] = []
+    decode: list[DecodePoint] = []
+
+
+def profile_summary(p: Profile) -> dict[str, object]:
+    """What ``profile`` answers per pool without ``pool``: where it came from and its ranges."""
+    return {"pool": p.pool, "role": p.role, "engine": p.engine, "model": p.model,
+            "made_by": p.made_by, "made_at": p.made_at, "kv_capacity_tokens": p.kv_capacity_tokens,
+            "max_num_seqs": p.max_num_seqs, "prefill_points": len(p.prefill),
+            "decode_points": len(p.decode),
+            "isl_range": [min((x.isl for x in p.prefill), default=0), max((x.isl for x in p.prefill), default=0)],
+            "max_decode_concurrency": max((x.concurrency for x in p.decode), default=0)}
+
+
+def finite(x: float | None) -> float | None:
+    """None for NaN/inf (JSON has neither)."""
+    return x if x is not None and math.isfinite(x) else None
