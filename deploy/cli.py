@@ -31,7 +31,6 @@ from deploy.tree import (
     HostPlan,
     build_host_tree,
     describe_plan,
-    pending_hooks,
     plan_host,
 )
 from supervisors.sdnotify import Notifier, serve_root
@@ -136,9 +135,6 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
     root_ref: list[Any] = []
     plan: HostPlan = plan_host(t, name, topology_path, overrides, hosts=hosts,
                                control=_control_factory(root_ref, PoolSpawner(t, topology_path, overrides, hosts)))
-    for h in hosts:
-        for missing in pending_hooks(t, h):
-            log.warning("host %s: %s: not started", h, missing)
     s = t.supervisor
     root = Supervisor(name, build_host_tree(plan), strategy=s.strategy,
                       intensity=s.intensity, period=s.period, start_concurrency=s.start_concurrency,

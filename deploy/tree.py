@@ -7,7 +7,7 @@
     │   ├── control     the root supervisor's micro service (ns.supervisor.<host>.*)
     │   ├── frontend    the OpenAI HTTP gateway, on its host (with the kv router it also serves
     │   │               ns.router.*: the process's one KV router, no separate router actor)
-    │   ├── planner     (no issue yet: reported as pending)
+    │   ├── planner     (when [planner] enabled names this host: scales pools through the roots)
     │   └── echo        the example actor, when `echo = true` and this host is in echo_hosts
     └── worker-<pool>-<i>   one OS process per worker replica (its own connection and supervisor)
 
@@ -158,7 +158,7 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
         inproc.append(Node(ChildSpec("control", lambda: control(link), "permanent", sup.drain_timeout),
                            "control", f"supervisor micro service on {t.namespace}.supervisor.{host}.*"))
     for h in shares:
-        inproc += _frontend_nodes(t, h, link, relay, shares) + _planner_nodes(t, h, link)
+        inproc += _frontend_nodes(t, h, link, relay, shares) + _planner_nodes(t, h, link, shares)
         if t.echo and h in t.echo_hosts:
             inproc.append(_echo_node(t, h, link, multi=len(shares) > 1))
     inproc_sup = SupervisorConfig(strategy="rest_for_one", intensity=sup.intensity, period=sup.period,
@@ -246,17 +246,28 @@ def _frontend_nodes(t: Topology, host: str, link: BusLink, status: Callable[[str
                  + (f"; KV router endpoints on {t.namespace}.router.*)" if fe.router == "kv" else ")"))]
 
 
-def _planner_nodes(t: Topology, host: str, link: BusLink) -> list[Node]:
-    # The planner has no issue yet: --check and the boot log say so (pending_hooks).
-    return []
+def _planner_nodes(t: Topology, host: str, link: BusLink, shares: list[str]) -> list[Node]:
+    """The SLA planner, on the host ``planner.host`` names. It scales each pool through the root
+    that runs it: this process's root (named ``link.host``) for the hosts it runs, each other host's
+    own root otherwise. Its metrics registry is made once, so a restarted planner keeps counting."""
+    pl = t.planner
+    if not (pl.enabled and pl.host == host):
+        return []
+    roots = {name: (link.host if p.host in shares else p.host) for name, p in t.pools.items()}
+    profile_dir = Path(pl.profile_dir).expanduser() if pl.profile_dir else run_dir(t) / "profiles"
+    from actors.planner.metrics import PlannerMetrics
+    metrics = PlannerMetrics()
 
+    def start() -> Child:
+        from actors.planner.actor import PlannerActor
+        return PlannerActor(link.child_ctx(), config=pl, pools=t.pools, roots=roots, profile_dir=profile_dir,
+                            model=t.model.name if t.model else None, metrics=metrics)
 
-def pending_hooks(t: Topology, host: str) -> list[str]:
-    """Parts of the topology this build cannot start yet (so --check and the boot log say so)."""
-    missing = []
-    if t.planner.enabled and t.planner.host == host:
-        missing.append("planner (not implemented yet)")
-    return missing
+    mode = f"{pl.mode} mode{' (no-op)' if pl.no_op else ''}"
+    return [Node(ChildSpec("planner", start, "permanent", t.supervisor.drain_timeout), "actor",
+                 f"PlannerActor {mode} every {pl.effective_interval():g}s, TTFT {pl.ttft_target_ms:g} ms, "
+                 f"ITL {pl.itl_target_ms:g} ms, budget {pl.budget} engines, profiles in {profile_dir} "
+                 f"(on {t.namespace}.planner.*)")]
 
 
 # --- printing ------------------------------------------------------------------------------------
@@ -271,8 +282,6 @@ def describe_plan(plan: HostPlan, t: Topology) -> list[str]:
         lines.append(f"  {workers} worker(s) start in parallel, at most {s.start_concurrency} at once"
                      + (f", once {first} are up" if first else ""))
     lines += _describe_nodes(plan.children, "  ")
-    for m in pending_hooks(t, plan.host):
-        lines.append(f"  ! {m}")
     return lines
 
 

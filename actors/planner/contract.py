@@ -167,7 +167,7 @@ class PoolStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     current: int
     ready: int
     min_replicas: int
-    max_replicas: int
+    max_replicas: int | None  # None: only the budgets bound it
     engines_per_replica: int
     children: list[str] = []  # the root's child ids of this pool's workers
     start_failures: int = 0  # consecutive failed starts

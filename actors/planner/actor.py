@@ -1,0 +1,302 @@
+"""The planner actor: observes over NATS, decides every interval, scales through the supervisors.
+
+Micro service ``planner`` (``nats micro info planner``):
+
+- ``<ns>.planner.status``: mode, targets, budget, each pool's counts, backoff and pending change.
+- ``<ns>.planner.decisions`` ``{"limit": N}``: the newest decisions with their reasons and actions.
+- ``<ns>.planner.profile`` ``{"pool": NAME}``: the profile throughput mode uses (all pools: a summary).
+
+Each decision is also published on ``<ns>.planner.decision`` (JSON) and counted in the planner's
+metrics. Observations: ``<ns>.metrics.frontend.*`` (``FrontendWindow``) and ``<ns>.load.*``
+(``LoadReport`` with step samples); which pool an instance serves comes from ``<ns>-instances``.
+Every decision starts from the roots' ``children`` views, so a restarted planner resumes from the
+replicas that really run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+from nats.aio.msg import Msg
+
+from actors.base import Actor, Endpoint
+from actors.instances.contract import InstanceRecord
+from actors.instances.watch import BucketWatch, watch_instances
+from actors.planner.constraints import PoolLimits, engines_per_replica
+from actors.planner.contract import (
+    PLANNER_KIND,
+    VERB_DECISIONS,
+    VERB_PROFILE,
+    VERB_STATUS,
+    Action,
+    Decision,
+    DecisionsRequest,
+    FrontendWindow,
+    PlannerStatus,
+    ProfileRequest,
+    profile_summary,
+)
+from actors.planner.load_model import EngineLoad
+from actors.planner.metrics import PlannerMetrics
+from actors.planner.observer import Observer
+from actors.planner.planner import Planner, PoolState, PoolView, replica_of
+from actors.planner.scaler import Scaler
+from actors.worker.contract import LoadReport
+from bus import codec
+from bus.context import BusContext
+from bus.errors import ActorError, NotFound
+from bus.tasks import cancel_and_wait
+from config.topology import PlannerConfig, PoolConfig
+
+log = logging.getLogger(__name__)
+
+KEEP_DECISIONS = 256
+
+
+def pool_states(cfg: PlannerConfig, pools: Mapping[str, PoolConfig], roots: Mapping[str, str],
+                profile_dir: Path) -> dict[str, PoolState]:
+    """Each pool's limits and profile from the topology."""
+    out = {}
+    for name, p in pools.items():
+        pp = cfg.pools.get(name)
+        lo = pp.min_replicas if pp is not None and pp.min_replicas is not None else cfg.min_replicas
+        limits = PoolLimits(pool=name, host=roots.get(name, p.host), min_replicas=lo,
+                            max_replicas=pp.max_replicas if pp is not None else None,
+                            engines_per_replica=(pp.engines_per_replica if pp is not None and pp.engines_per_replica
+                                                 else engines_per_replica(p)),
+                            managed=pp.managed if pp is not None else True)
+        path = Path(pp.profile).expanduser() if pp is not None and pp.profile else profile_dir / f"{name}.json"
+        st = PoolState(limits=limits, role=p.role, engine=p.engine, profile_path=path)
+        if cfg.mode == "throughput":
+            st.load_model()
+        out[name] = st
+    return out
+
+
+class PlannerActor(Actor):
+    kind: ClassVar[str] = PLANNER_KIND
+    description: ClassVar[str] = "SLA planner: scales pools to meet TTFT/ITL targets with the fewest engines"
+
+    def __init__(self, bus: BusContext, *, config: PlannerConfig, pools: Mapping[str, PoolConfig],
+                 roots: Mapping[str, str], profile_dir: Path, model: str | None = None,
+                 metrics: PlannerMetrics | None = None, instance: str | None = None, **kw: Any) -> None:
+        """``roots``: pool -> the host token of the root supervisor that runs it."""
+        super().__init__(bus, instance=instance or f"planner-{bus.host}", role="planner", model=model or "",
+                         **kw)
+        self.config = config
+        self.pool_configs = dict(pools)
+        self.roots = dict(roots)
+        self.planner = Planner(config, pool_states(config, pools, roots, profile_dir), instance=self.instance)
+        self.observer = Observer(model)
+        self.metrics = metrics or PlannerMetrics()
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=KEEP_DECISIONS)
+        self.views: dict[str, PoolView] = {}
+        self.instances: BucketWatch[InstanceRecord] = watch_instances(bus, self.registry_ttl)
+        self.scaler = Scaler(bus.nc, bus.subjects)
+        self._subs: list[Any] = []
+        self._loop: asyncio.Task[None] | None = None
+        self._changes: dict[str, asyncio.Task[None]] = {}
+
+    # --- actor ---------------------------------------------------------------------------------------
+    def endpoints(self) -> list[Endpoint]:
+        s = self.bus.subjects
+        return [Endpoint(VERB_STATUS, s.planner(VERB_STATUS), self.status, None, bounded=False),
+                Endpoint(VERB_DECISIONS, s.planner(VERB_DECISIONS), self.recent, DecisionsRequest, bounded=False),
+                Endpoint(VERB_PROFILE, s.planner(VERB_PROFILE), self.profile, ProfileRequest, bounded=False)]
+
+    def statistics(self) -> dict[str, Any]:
+        last = self.decisions[-1] if self.decisions else None
+        return {"mode": self.config.mode, "no_op": self.config.no_op, "decisions": self.planner.seq,
+                "windows_seen": self.observer.windows_seen,
+                "replicas": {n: v.current for n, v in self.views.items()},
+                "last_targets": {p.pool: p.target for p in last.pools} if last else {}}
+
+    async def on_start(self) -> None:
+        s = self.bus.subjects
+        self.instances.subscribe(lambda _k, _r: None, self.observer.forget)
+        await self.instances.start()
+        self._subs = [await self.bus.nc.subscribe(s.metrics_frontend_all(), cb=self._on_window),
+                      await self.bus.nc.subscribe(s.load_all(), cb=self._on_load)]
+        for name, st in self.planner.pools.items():
+            if self.config.mode == "throughput" and st.model is None:
+                log.warning("planner: pool %s has no usable profile (%s); it keeps its replicas until one "
+                            "exists: python -m actors.planner.profile TOPOLOGY --pool %s",
+                            name, st.profile_error, name)
+        log.info("planner %s: %s mode%s, every %.0fs, TTFT %.0f ms, ITL %.0f ms, budget %d engines, pools %s",
+                 self.instance, self.config.mode, " (no-op: decisions only)" if self.config.no_op else "",
+                 self.config.effective_interval(), self.config.ttft_target_ms, self.config.itl_target_ms,
+                 self.config.budget, ", ".join(self.planner.pools))
+        self._loop = asyncio.create_task(self._run(), name=f"planner:{self.instance}")
+
+    async def on_stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # noqa: BLE001 - the connection may be gone already
+                pass
+        self._subs = []
+        await cancel_and_wait(self._loop, *self._changes.values())
+        self._changes.clear()
+        await self.instances.stop()
+
+    # --- observations --------------------------------------------------------------------------------
+    async def _on_window(self, msg: Msg) -> None:
+        try:
+            self.observer.add_window(codec.decode(msg.data, msg.headers, FrontendWindow))
+        except Exception as e:  # noqa: BLE001 - anyone on the bus can publish there
+            log.debug("planner: bad frontend window on %s: %s", msg.subject, e)
+
+    async def _on_load(self, msg: Msg) -> None:
+        try:
+            report = codec.decode(msg.data, msg.headers, LoadReport)
+        except Exception as e:  # noqa: BLE001
+            log.debug("planner: bad load report on %s: %s", msg.subject, e)
+            return
+        rec = self.instances.entries.get(report.instance)
+        self.observer.add_load(report, rec.pool if rec is not None else None)
+
+    # --- the loop ------------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        interval = self.config.effective_interval()
+        self.observer.take_interval()  # the first interval starts now
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a decision that fails must not stop the planner
+                log.exception("planner %s: decision failed", self.instance)
+
+    async def tick(self) -> Decision:
+        """One decision: look, decide, publish, act."""
+        self.views = await self._views()
+        for name, st in self.planner.pools.items():
+            if self.config.mode == "throughput" and st.model is None:
+                st.load_model()  # a profile written since the last decision is used from now on
+            samples = self.observer.steps.get(name)
+            if samples:
+                st.regression.fit(list(samples))
+        observed = self.observer.take_interval()
+        decision = self.planner.decide(self.views, observed, self._loads())
+        self.decisions.append(decision)
+        self.metrics.decided(decision)
+        for p in decision.pools:
+            if p.target != p.current or p.desired != p.current:
+                log.info("planner: %s %d -> %d (desired %d: %s%s)%s", p.pool, p.current, p.target, p.desired,
+                         p.reason, f"; {p.constraint}" if p.constraint else "",
+                         " [no-op]" if self.config.no_op else "")
+            else:
+                log.debug("planner: %s stays at %d (%s)", p.pool, p.current, p.reason)
+        await self.bus.nc.publish(self.bus.subjects.planner_decision(), codec.encode(decision),
+                                  headers=codec.headers_for(False))
+        if not self.config.no_op:
+            self._execute(decision)
+        return decision
+
+    async def _views(self) -> dict[str, PoolView]:
+        views = {name: PoolView(name=name, role=st.role, host=st.limits.host, engine=st.engine)
+                 for name, st in self.planner.pools.items()}
+        records = [r for r in self.instances.entries.values() if r.is_worker and r.pool in views]
+        for r in records:
+            views[r.pool].instances.add(r.instance)  # type: ignore[index]
+            if r.block_size:
+                views[r.pool].block_size = r.block_size  # type: ignore[index]
+        for host in sorted({v.host for v in views.values()}):
+            try:
+                children = await self.scaler.children(host)
+            except ActorError as e:
+                log.warning("planner: root %s did not answer children (%s); its pools keep their replicas", host, e)
+                for v in views.values():
+                    if v.host == host:
+                        v.known = False
+                continue
+            for c in children:
+                pool = (c.get("meta") or {}).get("pool")
+                if pool in views and views[pool].host == host and c.get("state") != "stopped" \
+                        and replica_of(c["id"], pool) is not None:
+                    views[pool].children.append(c)
+        return views
+
+    def _loads(self) -> dict[str, list[EngineLoad]]:
+        isl = self.planner.last_isl or 0.0
+        out: dict[str, list[EngineLoad]] = {}
+        for name, v in self.views.items():
+            per: dict[str, EngineLoad] = {}
+            for r in self.observer.reports(v.instances):
+                e = per.setdefault(r.instance, EngineLoad(instance=r.instance, num_waiting=0, num_running=0,
+                                                          kv_tokens=0, queued_prefill_tokens=0))
+                e.num_waiting += r.num_waiting
+                e.num_running += r.num_running
+                e.kv_tokens += r.active_kv_blocks * v.block_size
+                e.queued_prefill_tokens += int(r.num_waiting * isl)
+            out[name] = list(per.values())
+        return out
+
+    # --- acting --------------------------------------------------------------------------------------
+    def _execute(self, decision: Decision) -> None:
+        by_pool: dict[str, list[Action]] = {}
+        for a in decision.actions:
+            by_pool.setdefault(a.pool, []).append(a)
+        for pool, actions in by_pool.items():
+            task = self._changes.get(pool)
+            if task is not None and not task.done():
+                continue  # decide() already held this pool; a race with a just-finished change
+            self._changes[pool] = asyncio.create_task(self._change(pool, actions), name=f"planner:{pool}")
+
+    async def _change(self, pool: str, actions: list[Action]) -> None:
+        st = self.planner.pools[pool]
+        engine = st.engine
+        try:
+            for a in actions:
+                st.pending = f"{a.kind} {a.child}"
+                log.info("planner: %s %s on %s", a.kind, a.child, a.host)
+                done = await (self.scaler.spawn(a.host, pool, replica_of(a.child, pool) or 0, engine)
+                              if a.kind == "spawn" else self.scaler.stop(a.host, pool, a.child))
+                a.outcome, a.error, a.seconds = done.outcome, done.error, done.seconds
+                self.planner.outcome(a)
+                self.metrics.acted(a)
+                if a.outcome == "failed":
+                    log.warning("planner: %s %s failed after %.1fs: %s", a.kind, a.child, a.seconds or 0, a.error)
+                    break  # the rest of this change waits for the next decision (and the backoff)
+                log.info("planner: %s %s done in %.1fs", a.kind, a.child, a.seconds or 0)
+        finally:
+            st.pending = None
+
+    # --- endpoints -----------------------------------------------------------------------------------
+    async def status(self, req: Any, headers: Mapping[str, str]) -> PlannerStatus:
+        engines = sum(v.current * self.planner.pools[n].limits.engines_per_replica for n, v in self.views.items())
+        cfg = self.config
+        return PlannerStatus(instance=self.instance, mode=cfg.mode, no_op=cfg.no_op,
+                             interval=cfg.effective_interval(), ttft_target_ms=cfg.ttft_target_ms,
+                             itl_target_ms=cfg.itl_target_ms, budget=cfg.budget, engines=engines,
+                             predictor=cfg.predictor, pools=self.planner.status(self.views),
+                             last_decision=self.decisions[-1] if self.decisions else None)
+
+    async def recent(self, req: DecisionsRequest, headers: Mapping[str, str]) -> dict[str, Any]:
+        n = max(0, min(req.limit, KEEP_DECISIONS))
+        return {"decisions": list(self.decisions)[-n:] if n else []}
+
+    async def profile(self, req: ProfileRequest, headers: Mapping[str, str]) -> dict[str, Any]:
+        pools = self.planner.pools
+        if req.pool is not None:
+            st = pools.get(req.pool)
+            if st is None:
+                raise NotFound(f"no pool {req.pool!r} (pools: {', '.join(pools)})")
+            if st.model is None:
+                st.load_model()  # a profile made since the start is picked up when asked for
+            if st.model is None:
+                raise NotFound(f"pool {req.pool}: no profile ({st.profile_error or 'none configured'})")
+            return {"path": str(st.profile_path), "profile": msgspec.to_builtins(st.model.profile)}
+        return {"pools": {name: ({"path": str(st.profile_path), **profile_summary(st.model.profile)}
+                                 if st.model is not None else
+                                 {"path": str(st.profile_path), "error": st.profile_error or "not loaded"})
+                          for name, st in pools.items()},
+                "mode": self.config.mode, "at": time.time()}

@@ -1,0 +1,225 @@
+"""The planner's decisions (logic only, no NATS): from what the pools are now and what was observed,
+the replicas each pool should have, why, and which children to start or stop.
+
+One ``decide`` per interval:
+
+1. Each managed pool asks its mode for a desired count. Throughput mode predicts the next
+   interval's demand (request rate, ISL, OSL, KV hit rate; ``predictors``) and sizes the pool from
+   its profile (``throughput``). Load mode fits step time on the pool's live step samples and
+   simulates TTFT/ITL per engine (``load_model``): one replica more or fewer at a time.
+2. ``constraints`` clamps to min/max replicas and the engine budgets (total and per host).
+3. A pool whose last start failed keeps its count until its start backoff has passed; a pool with a
+   change still in progress is left alone (one pending change per pool).
+4. The difference becomes actions: spawn the lowest free replica indices, or stop replicas
+   (those not yet serving first, then the highest index).
+
+``outcome`` records what the supervisors answered, which drives the start backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from actors.planner.constraints import PoolLimits, constrain
+from actors.planner.contract import Action, Decision, Observed, PoolDecision, PoolStatus
+from actors.planner.load_model import EngineLoad, StepRegression, decide
+from actors.planner.perf_model import PerfModel, ProfileError, load_profile
+from actors.planner.predictors import Predictor, make_predictor
+from actors.planner.throughput import Demand, desired_replicas
+from bus.backoff import Backoff
+from config.topology import PlannerConfig
+from config.workers import MAX_REPLICA, worker_child_id
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PoolView:
+    """A pool as it is now: its root's children of it (not stopped) and its registered workers."""
+
+    name: str
+    role: str
+    host: str  # the root that runs it (its supervisor subject's host token)
+    engine: str
+    children: list[dict[str, Any]] = field(default_factory=list)
+    instances: set[str] = field(default_factory=set)  # registered engine instances
+    block_size: int = 16
+    known: bool = True  # False: its root did not answer, the counts are unknown
+
+    @property
+    def current(self) -> int:
+        return len(self.children)
+
+    @property
+    def ready(self) -> int:
+        return len(self.instances)
+
+
+def replica_of(child_id: str, pool: str) -> int | None:
+    m = re.fullmatch(re.escape(worker_child_id(pool, 0))[:-1] + r"(\d+)", child_id)
+    return int(m.group(1)) if m else None
+
+
+@dataclass
+class PoolState:
+    """What the planner remembers of a pool between decisions."""
+
+    limits: PoolLimits
+    role: str
+    engine: str
+    profile_path: Path | None = None
+    model: PerfModel | None = None
+    profile_error: str | None = None
+    regression: StepRegression = field(default_factory=StepRegression)
+    failures: int = 0  # consecutive failed starts
+    backoff_until: float = 0.0  # wall clock
+    pending: str | None = None
+
+    def load_model(self) -> None:
+        if self.profile_path is None:
+            return
+        try:
+            self.model, self.profile_error = PerfModel(load_profile(self.profile_path)), None
+        except (ProfileError, OSError) as e:
+            self.model, self.profile_error = None, str(e)
+
+
+class Planner:
+    def __init__(self, cfg: PlannerConfig, pools: dict[str, PoolState], *, instance: str = "planner") -> None:
+        self.cfg = cfg
+        self.pools = pools
+        self.instance = instance
+        self.backoff = Backoff.of(cfg.start_backoff)
+        self.seq = 0
+        self._predict: dict[str, Predictor] = {
+            q: make_predictor(cfg.predictor, cfg.history) for q in ("request_rate", "isl", "osl", "kv_hit_rate")}
+        self._fed: set[str] = set()  # quantities seen at least once
+        self.last_isl: float | None = None
+
+    # --- one interval --------------------------------------------------------------------------------
+    def decide(self, views: dict[str, PoolView], observed: Observed,
+               loads: dict[str, list[EngineLoad]], now: float | None = None) -> Decision:
+        now = now if now is not None else time.time()
+        self.seq += 1
+        if observed.isl is not None:
+            self.last_isl = observed.isl
+        predicted = self._predicted(observed) if self.cfg.mode == "throughput" else None
+        desired: dict[str, int] = {}
+        reasons: dict[str, str] = {}
+        current = {n: v.current for n, v in views.items()}
+        for name, view in views.items():
+            st = self.pools[name]
+            if not st.limits.managed:
+                desired[name], reasons[name] = view.current, "not managed (planner.pools.*.managed = false)"
+            elif not view.known:
+                desired[name], reasons[name] = view.current, f"root {view.host} did not answer: counts unknown"
+            elif self.cfg.mode == "throughput":
+                desired[name], reasons[name] = self._throughput(st, view, predicted)
+            else:
+                desired[name], reasons[name] = self._load(st, view, loads.get(name, []))
+        constrained = constrain(desired, current, {n: s.limits for n, s in self.pools.items() if n in views},
+                                self.cfg.budget, self.cfg.host_budget)
+        decision = Decision(seq=self.seq, ts=now, mode=self.cfg.mode, no_op=self.cfg.no_op,
+                            interval=self.cfg.effective_interval(), observed=observed, predicted=predicted)
+        for name, view in views.items():
+            st = self.pools[name]
+            target, why = constrained[name]
+            if view.known and st.limits.managed:
+                if target > view.current and now < st.backoff_until:
+                    target, why = view.current, (f"start backoff after {st.failures} failed start(s) "
+                                                 f"until {time.strftime('%H:%M:%S', time.localtime(st.backoff_until))}")
+                elif target != view.current and st.pending is not None:
+                    target, why = view.current, f"change in progress: {st.pending}"
+            else:
+                target = view.current
+            decision.pools.append(PoolDecision(pool=name, role=view.role, current=view.current,
+                                               ready=view.ready, desired=desired[name], target=target,
+                                               reason=reasons[name], constraint=why))
+            decision.actions += self._actions(view, target)
+        return decision
+
+    def _predicted(self, observed: Observed) -> Observed:
+        values = {"request_rate": observed.request_rate, "isl": observed.isl, "osl": observed.osl,
+                  "kv_hit_rate": observed.kv_hit_rate}
+        out: dict[str, float | None] = {}
+        for q, v in values.items():
+            if v is not None and math.isfinite(v):
+                self._predict[q].add(float(v))
+                self._fed.add(q)
+            out[q] = self._predict[q].predict() if q in self._fed else None
+        hit = out["kv_hit_rate"]
+        return Observed(request_rate=out["request_rate"] or 0.0, isl=out["isl"], osl=out["osl"],
+                        kv_hit_rate=None if hit is None else min(1.0, max(0.0, hit)))
+
+    def _throughput(self, st: PoolState, view: PoolView, predicted: Observed | None) -> tuple[int, str]:
+        if st.model is None:
+            return view.current, (f"no profile ({st.profile_error or 'none configured'}): run "
+                                  f"python -m actors.planner.profile TOPOLOGY --pool {view.name}")
+        assert predicted is not None
+        if predicted.request_rate <= 0:
+            return 0, "no requests predicted"
+        if predicted.isl is None or predicted.osl is None:
+            return view.current, "no finished request observed yet: ISL/OSL unknown"
+        demand = Demand(request_rate=predicted.request_rate, isl=predicted.isl, osl=predicted.osl,
+                        kv_hit_rate=predicted.kv_hit_rate or 0.0)
+        return desired_replicas(view.role, demand, st.model, self.cfg.ttft_target_ms,  # type: ignore[arg-type]
+                                self.cfg.itl_target_ms)
+
+    def _load(self, st: PoolState, view: PoolView, engines: list[EngineLoad]) -> tuple[int, str]:
+        if st.pending is not None:
+            return view.current, f"change in progress: {st.pending}"
+        if not st.regression.ready:
+            return view.current, "step regression not fitted yet (too few step samples)"
+        delta, why = decide(view.role, engines, st.regression, self.last_isl or 0.0,  # type: ignore[arg-type]
+                            self.cfg.ttft_target_ms, self.cfg.itl_target_ms, self.cfg.sensitivity)
+        return max(0, view.current + delta), why
+
+    def _actions(self, view: PoolView, target: int) -> list[Action]:
+        if target > view.current:
+            taken = {c["id"] for c in view.children}
+            free = [i for i in range(MAX_REPLICA + 1) if worker_child_id(view.name, i) not in taken]
+            return [Action(kind="spawn", pool=view.name, child=worker_child_id(view.name, i), host=view.host)
+                    for i in free[:target - view.current]]
+        if target < view.current:
+            # a replica not serving yet costs nothing to stop; otherwise the newest (highest index)
+            order = sorted(view.children, key=lambda c: (c.get("state") == "running",
+                                                         -(replica_of(c["id"], view.name) or 0)))
+            return [Action(kind="stop", pool=view.name, child=c["id"], host=view.host)
+                    for c in order[:view.current - target]]
+        return []
+
+    # --- outcomes ------------------------------------------------------------------------------------
+    def outcome(self, action: Action, now: float | None = None) -> None:
+        """A supervisor answered: a failed start backs the pool off, a good one resets it."""
+        st = self.pools[action.pool]
+        if action.kind != "spawn":
+            return
+        if action.outcome == "ok":
+            st.failures, st.backoff_until = 0, 0.0
+        elif action.outcome == "failed":
+            st.failures += 1
+            delay = self.backoff.delay(st.failures - 1)
+            st.backoff_until = (now if now is not None else time.time()) + delay
+            log.warning("planner: %s failed to start (%s); no new %s replica for %.0fs",
+                        action.child, action.error, action.pool, delay)
+
+    def status(self, views: dict[str, PoolView]) -> list[PoolStatus]:
+        out = []
+        for name, st in self.pools.items():
+            v = views.get(name)
+            lim = st.limits
+            out.append(PoolStatus(
+                pool=name, role=st.role, host=lim.host, managed=lim.managed,
+                current=v.current if v else 0, ready=v.ready if v else 0,
+                min_replicas=lim.min_replicas, max_replicas=lim.max_replicas,
+                engines_per_replica=lim.engines_per_replica,
+                children=[c["id"] for c in v.children] if v else [], start_failures=st.failures,
+                backoff_until=st.backoff_until or None, pending=st.pending,
+                profile=str(st.profile_path) if st.profile_path else None))
+        return out
