@@ -1,5 +1,6 @@
-"""How a worker process is named and configured: facts the spawner (``deploy.pools``), the worker
-process itself (``actors.worker.process``) and the frontend's readiness all derive from the topology.
+"""How a worker process is named, started and configured: facts the spawner (``deploy.pools``), the
+profiler (``actors.planner.profile``), the worker process itself (``actors.worker.process``) and the
+frontend's readiness all derive from the topology.
 
 ``--set`` overrides travel to the worker in the environment (``OVERRIDES_ENV``), not on its
 command line: they may carry secrets (``bus.auth.password=...``), and any local user can read
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from pathlib import Path
 
 import msgspec
 
-from config.topology import BusConfig, Topology
+from config.topology import BusConfig, PoolConfig, Topology
 
 OVERRIDES_ENV = "VLLM_ACTORS_SET"  # JSON list of "key.path=value" overrides for a worker process
 MAX_REPLICA = 1023  # replica indices a spawn may ask for (ports and names are derived from them)
@@ -39,6 +42,25 @@ def worker_child_id(pool: str, replica: int) -> str:
     """The root's child id of a worker process (also the worker supervisor's name, and what the
     frontend's readiness looks up in the children views)."""
     return f"worker-{pool}-{replica}"
+
+
+def worker_argv(topology_path: str | Path, pool: str, replica: int) -> list[str]:
+    """The command of a worker process: no override on it (they travel in ``worker_env``)."""
+    return [sys.executable, "-m", "actors.worker.process", "--topology", str(Path(topology_path).resolve()),
+            "--pool", pool, "--replica", str(replica)]
+
+
+def worker_overrides(t: Topology, overrides: list[str]) -> list[str]:
+    if embeds_nats(t):
+        # the worker joins this host's embedded server instead of embedding its own
+        return [*overrides, f"bus.url={bus_url(t)}"]
+    return list(overrides)
+
+
+def worker_env(t: Topology, pool: PoolConfig, overrides: list[str]) -> dict[str, str]:
+    """What a worker process gets on top of its parent's environment: the pool's ``env`` and the
+    overrides (``OVERRIDES_ENV``)."""
+    return {**pool.env, OVERRIDES_ENV: json.dumps(worker_overrides(t, overrides))}
 
 
 def overrides_from_env(env: dict[str, str] | None = None) -> list[str]:

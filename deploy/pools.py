@@ -10,31 +10,13 @@ topology file this process was started with, exactly as at start-up.
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Collection
 from pathlib import Path
 
 from bus.errors import BadRequest, Conflict, NotFound
-from config.topology import PoolConfig, Topology
-from config.workers import MAX_REPLICA, OVERRIDES_ENV, bus_url, embeds_nats, worker_child_id
+from config.topology import Topology
+from config.workers import MAX_REPLICA, worker_argv, worker_child_id, worker_env
 from supervisors.child import Child, ChildSpec
-
-
-def worker_argv(topology_path: str | Path, pool: str, replica: int) -> list[str]:
-    return [sys.executable, "-m", "actors.worker.process", "--topology", str(Path(topology_path).resolve()),
-            "--pool", pool, "--replica", str(replica)]
-
-
-def worker_overrides(t: Topology, overrides: list[str]) -> list[str]:
-    if embeds_nats(t):
-        # the worker joins this host's embedded server instead of embedding its own
-        return [*overrides, f"bus.url={bus_url(t)}"]
-    return list(overrides)
-
-
-def worker_env(t: Topology, pool: PoolConfig, overrides: list[str]) -> dict[str, str]:
-    return {**pool.env, OVERRIDES_ENV: json.dumps(worker_overrides(t, overrides))}
 
 
 def worker_spec(t: Topology, name: str, replica: int, topology_path: str | Path,

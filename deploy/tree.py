@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from config.paths import DEFAULT_HOME
+from config.paths import profile_dir, run_dir
 from config.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
 from config.workers import bus_url, embeds_nats
 from deploy import nats_conf
@@ -43,14 +43,6 @@ log = logging.getLogger(__name__)
 # Bound on the first connect: nats-py retries forever, which would hang a start whose server is not
 # coming (or not yet restarted); failing the start lets the supervisor count it and back off.
 BUS_CONNECT_TIMEOUT = 10.0
-
-
-def run_dir(t: Topology) -> Path:
-    if t.run_dir:
-        return Path(t.run_dir).expanduser()
-    # under the default home, not $VLLM_ACTORS_HOME: run state follows the user's HOME (a test or a
-    # second user with its own HOME gets its own run dir while sharing one model cache)
-    return Path(DEFAULT_HOME).expanduser() / "run" / t.namespace
 
 
 class BusLink:
@@ -254,19 +246,19 @@ def _planner_nodes(t: Topology, host: str, link: BusLink, shares: list[str]) -> 
     if not (pl.enabled and pl.host == host):
         return []
     roots = {name: (link.host if p.host in shares else p.host) for name, p in t.pools.items()}
-    profile_dir = Path(pl.profile_dir).expanduser() if pl.profile_dir else run_dir(t) / "profiles"
+    profiles = profile_dir(t)
     from actors.planner.metrics import PlannerMetrics
     metrics = PlannerMetrics()
 
     def start() -> Child:
         from actors.planner.actor import PlannerActor
-        return PlannerActor(link.child_ctx(), config=pl, pools=t.pools, roots=roots, profile_dir=profile_dir,
+        return PlannerActor(link.child_ctx(), config=pl, pools=t.pools, roots=roots, profile_dir=profiles,
                             model=t.model.name if t.model else None, metrics=metrics)
 
     mode = f"{pl.mode} mode{' (no-op)' if pl.no_op else ''}"
     return [Node(ChildSpec("planner", start, "permanent", t.supervisor.drain_timeout), "actor",
                  f"PlannerActor {mode} every {pl.effective_interval():g}s, TTFT {pl.ttft_target_ms:g} ms, "
-                 f"ITL {pl.itl_target_ms:g} ms, budget {pl.budget} engines, profiles in {profile_dir} "
+                 f"ITL {pl.itl_target_ms:g} ms, budget {pl.budget} engines, profiles in {profiles} "
                  f"(on {t.namespace}.planner.*)")]
 
 
