@@ -159,7 +159,8 @@ class FrontendActor(Actor):
         from the supervisors (asked only while something is missing; cached for a second).
         /v1/models needs only the verdict, which never depends on the supervisors' answers."""
         ready, body = self.readiness.evaluate(self.workers, self._children[1])
-        if detail and any(p["missing"] for p in body.get("pools", {}).values()):
+        # a count that differs from the view read last: a replica was spawned or removed since
+        if detail and any(p["missing"] or p["ready"] != p["expected"] for p in body.get("pools", {}).values()):
             await self._refresh_children()
             ready, body = self.readiness.evaluate(self.workers, self._children[1])
         return ready, body

@@ -10,6 +10,10 @@ A disaggregated model needs its prefill pools too, unless the topology allows de
 fallback (``model.allow_decode_only``): then prefill pools are reported but not required, and the
 body says ``decode_fallback: true``.
 
+A pool's replicas are the ones its supervisor runs now (its ``children`` view): the topology's
+``replicas`` is the start, and the planner (or an operator's ``spawn``/``stop``) moves it. Until a
+view has been read, the topology's count is expected.
+
 For each missing replica the body says what it is doing, from the supervisors' children views
 (``starting``/``loading``/``restarting``/``stopped``) and the registry (``sleeping``,
 ``registering``: the process runs but its engine is not registered yet).
@@ -71,16 +75,24 @@ class Readiness:
     def required(self, pool: PoolExpectation) -> bool:
         return not (pool.role == "prefill" and self.decode_fallback)
 
+    @staticmethod
+    def replicas(p: PoolExpectation, children: dict[str, dict[str, Any]]) -> list[int]:
+        """The replica indices of ``p`` its supervisor runs (removed ones are gone from its view),
+        or the topology's ``range(replicas)`` while no view of the pool has been read."""
+        mine = sorted(int(c["meta"]["replica"]) for c in children.values()
+                      if (c.get("meta") or {}).get("pool") == p.name and str(c["meta"].get("replica", "")).isdigit())
+        return mine or list(range(p.replicas))
+
     def _missing(self, p: PoolExpectation, live: set[str], records: list[InstanceRecord],
                  children: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
         """The replicas of ``p`` that are not serving, with what each is doing."""
         mine = [r for r in records if r.pool == p.name]
-        views = {i: children.get(worker_child_id(p.name, i)) for i in range(p.replicas)}
+        views = {i: children.get(worker_child_id(p.name, i)) for i in self.replicas(p, children)}
         missing: list[dict[str, Any]] = []
         if not any(views.values()):
             # no supervisor view (e.g. another host's supervisor did not answer): count only
             idle = [r for r in mine if r.instance not in live]
-            for i in range(max(0, p.replicas - len(live))):
+            for i in range(max(0, len(views) - len(live))):
                 rec = idle[i] if i < len(idle) else None
                 state, detail = _missing_state(None, rec)
                 missing.append({"replica": None, "state": state, "detail": detail})
@@ -107,7 +119,7 @@ class Readiness:
         for p in self.pools:
             live = [w for w in ready_list if w.pool == p.name and (self.model is None or w.model == self.model)]
             missing = self._missing(p, {w.instance for w in live}, records, children)
-            pools[p.name] = {"role": p.role, "ready": len(live), "expected": p.replicas,
+            pools[p.name] = {"role": p.role, "ready": len(live), "expected": len(self.replicas(p, children)),
                              "minimum": p.minimum, "required": self.required(p), "missing": missing}
             if self.required(p):
                 full = full and len(live) >= p.minimum

@@ -220,3 +220,26 @@ def test_readiness_waits_for_every_pool_then_holds_until_a_pool_is_empty() -> No
                    decode_fallback=True)
     ready, body = r2.evaluate(ws2)
     assert ready and body["decode_fallback"] and not body["pools"]["prefill"]["required"]
+
+
+def test_readiness_expects_the_replicas_the_supervisor_runs() -> None:
+    """The planner moves a pool's count: /health expects the children the root runs now, not the
+    topology's start count (a removed replica is not "missing", a spawned one is expected)."""
+    from actors.frontend.readiness import PoolExpectation, Readiness
+
+    def child(i: int, state: str = "running", pid: int = 1) -> dict[str, Any]:
+        return {"id": f"worker-agg-{i}", "state": state, "pid": pid, "meta": {"pool": "agg", "replica": str(i)}}
+
+    ws = WorkerSet()
+    ws.put_model("m.agg", _card("agg", "agg"))
+    ws.put_instance("a0", _rec("a0", "agg"))
+    r = Readiness("m", [PoolExpectation("agg", "agg", 1)], decode_fallback=False)
+    assert r.evaluate(ws)[0]
+    # scaled up to three: two are starting
+    ready, body = r.evaluate(ws, {"worker-agg-0": child(0), "worker-agg-3": child(3, "starting", pid=3),
+                                  "worker-agg-1": child(1, "starting", pid=2)})
+    agg = body["pools"]["agg"]
+    assert ready and agg["expected"] == 3 and [m["replica"] for m in agg["missing"]] == [1, 3]
+    # scaled down to one again (replicas 1 and 3 removed from the root): nothing is missing
+    ready, body = r.evaluate(ws, {"worker-agg-0": child(0)})
+    assert ready and body["pools"]["agg"]["expected"] == 1 and body["pools"]["agg"]["missing"] == []
