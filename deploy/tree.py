@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from config.paths import profile_dir, run_dir
+from config.paths import profile_dir, profile_path, run_dir
 from config.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
 from config.workers import bus_url, embeds_nats
 from deploy import nats_conf
@@ -246,19 +246,19 @@ def _planner_nodes(t: Topology, host: str, link: BusLink, shares: list[str]) -> 
     if not (pl.enabled and pl.host == host):
         return []
     roots = {name: (link.host if p.host in shares else p.host) for name, p in t.pools.items()}
-    profiles = profile_dir(t)
+    profiles = {name: profile_path(t, name) for name in t.pools}
     from actors.planner.metrics import PlannerMetrics
     metrics = PlannerMetrics()
 
     def start() -> Child:
         from actors.planner.actor import PlannerActor
-        return PlannerActor(link.child_ctx(), config=pl, pools=t.pools, roots=roots, profile_dir=profiles,
+        return PlannerActor(link.child_ctx(), config=pl, pools=t.pools, roots=roots, profiles=profiles,
                             model=t.model.name if t.model else None, metrics=metrics)
 
     mode = f"{pl.mode} mode{' (no-op)' if pl.no_op else ''}"
     return [Node(ChildSpec("planner", start, "permanent", t.supervisor.drain_timeout), "actor",
                  f"PlannerActor {mode} every {pl.effective_interval():g}s, TTFT {pl.ttft_target_ms:g} ms, "
-                 f"ITL {pl.itl_target_ms:g} ms, budget {pl.budget} engines, profiles in {profiles} "
+                 f"ITL {pl.itl_target_ms:g} ms, budget {pl.budget} engines, profiles in {profile_dir(t)} "
                  f"(on {t.namespace}.planner.*)")]
 
 

@@ -61,8 +61,8 @@ KEEP_DECISIONS = 256
 
 
 def pool_states(cfg: PlannerConfig, pools: Mapping[str, PoolConfig], roots: Mapping[str, str],
-                profile_dir: Path) -> dict[str, PoolState]:
-    """Each pool's limits and profile from the topology."""
+                profiles: Mapping[str, Path]) -> dict[str, PoolState]:
+    """Each pool's limits and profile (``config.paths.profile_path``) from the topology."""
     out = {}
     for name, p in pools.items():
         pp = cfg.pools.get(name)
@@ -72,8 +72,7 @@ def pool_states(cfg: PlannerConfig, pools: Mapping[str, PoolConfig], roots: Mapp
                             engines_per_replica=(pp.engines_per_replica if pp is not None and pp.engines_per_replica
                                                  else engines_per_replica(p)),
                             managed=pp.managed if pp is not None else True)
-        path = Path(pp.profile).expanduser() if pp is not None and pp.profile else profile_dir / f"{name}.json"
-        st = PoolState(limits=limits, role=p.role, engine=p.engine, profile_path=path)
+        st = PoolState(limits=limits, role=p.role, engine=p.engine, profile_path=profiles.get(name))
         if cfg.mode == "throughput":
             st.load_model()
         out[name] = st
@@ -85,15 +84,16 @@ class PlannerActor(Actor):
     description: ClassVar[str] = "SLA planner: scales pools to meet TTFT/ITL targets with the fewest engines"
 
     def __init__(self, bus: BusContext, *, config: PlannerConfig, pools: Mapping[str, PoolConfig],
-                 roots: Mapping[str, str], profile_dir: Path, model: str | None = None,
+                 roots: Mapping[str, str], profiles: Mapping[str, Path], model: str | None = None,
                  metrics: PlannerMetrics | None = None, instance: str | None = None, **kw: Any) -> None:
-        """``roots``: pool -> the host token of the root supervisor that runs it."""
+        """``roots``: pool -> the host token of the root supervisor that runs it; ``profiles``: pool ->
+        its profile file (throughput mode)."""
         super().__init__(bus, instance=instance or f"planner-{bus.host}", role="planner", model=model or "",
                          **kw)
         self.config = config
         self.pool_configs = dict(pools)
         self.roots = dict(roots)
-        self.planner = Planner(config, pool_states(config, pools, roots, profile_dir), instance=self.instance)
+        self.planner = Planner(config, pool_states(config, pools, roots, profiles), instance=self.instance)
         self.observer = Observer(model)
         self.metrics = metrics or PlannerMetrics()
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=KEEP_DECISIONS)
