@@ -181,9 +181,9 @@ class PlannerActor(Actor):
         for name, st in self.planner.pools.items():
             if self.config.mode == "throughput" and st.model is None:
                 st.load_model()  # a profile written since the last decision is used from now on
-            samples = self.observer.steps.get(name)
+            samples = self.observer.take_steps(name)
             if samples:
-                st.regression.fit(list(samples))
+                st.regression.fit(samples)
         observed = self.observer.take_interval()
         decision = self.planner.decide(self.views, observed, self._loads())
         self.decisions.append(decision)

@@ -13,6 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from actors.engines.protocol import StepSample
 from actors.planner.contract import (
     ITL_BOUNDS_MS,
     TTFT_BOUNDS_MS,
@@ -24,8 +25,8 @@ from actors.worker.contract import LoadReport
 
 # a load report older than this is a worker that stopped reporting (gone, or its bus is)
 REPORT_STALE_S = 10.0
-# step samples kept per pool for the load mode's regressions
-STEP_WINDOW = 2048
+# step samples kept per pool between two decisions (the regression keeps its own window)
+STEP_WINDOW = 8192
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Observer:
         self._totals = Totals()
         self._since = time.time()
         self._reports: dict[tuple[str, int], tuple[float, LoadReport]] = {}
-        self.steps: dict[str, deque] = {}  # pool -> recent StepSample
+        self.steps: dict[str, deque[StepSample]] = {}  # pool -> step samples not yet fitted
         self.windows_seen = 0
 
     # --- inputs ----------------------------------------------------------------------------------
@@ -93,6 +94,15 @@ class Observer:
         obs = self._totals.observed(now - self._since)
         self._totals, self._since = Totals(), now
         return obs
+
+    def take_steps(self, pool: str) -> list[StepSample]:
+        """The pool's step samples since the last call (the regression keeps its own window)."""
+        q = self.steps.get(pool)
+        if not q:
+            return []
+        out = list(q)
+        q.clear()
+        return out
 
     def reports(self, instances: set[str], now: float | None = None) -> list[LoadReport]:
         """The fresh latest report of each rank of ``instances``."""

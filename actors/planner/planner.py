@@ -174,8 +174,6 @@ class Planner:
     def _load(self, st: PoolState, view: PoolView, engines: list[EngineLoad]) -> tuple[int, str]:
         if st.pending is not None:
             return view.current, f"change in progress: {st.pending}"
-        if not st.regression.ready:
-            return view.current, "step regression not fitted yet (too few step samples)"
         delta, why = decide(view.role, engines, st.regression, self.last_isl or 0.0,  # type: ignore[arg-type]
                             self.cfg.ttft_target_ms, self.cfg.itl_target_ms, self.cfg.sensitivity)
         return max(0, view.current + delta), why
