@@ -121,6 +121,22 @@ def _port_free(port: int) -> bool:
     return True
 
 
+class _DropIterationLines(logging.Filter):
+    """Drops vLLM's per-iteration line (``LoggingStatLogger._log_iteration_details``), one per
+    engine step, from the logger that emits it; its periodic throughput lines stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and "Iteration(%d)" in record.msg)
+
+
+_ITERATION_FILTER = _DropIterationLines()
+
+
+def quiet_iteration_lines() -> None:
+    """Keep the step details we turn on out of vLLM's log (idempotent: one filter per process)."""
+    logging.getLogger("vllm.v1.metrics.loggers").addFilter(_ITERATION_FILTER)
+
+
 def engine_arg_names() -> set[str]:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -153,6 +169,14 @@ def build_engine_args(engine_args: Mapping[str, Any], role: Role = "agg",
     args.setdefault("enable_prefix_caching", True)
     # Our stat logger feeds stats(); vLLM's periodic log lines would only add noise.
     args.setdefault("disable_log_stats", True)
+    # Per-step timings for the load-mode planner (StatsSink's step samples). vLLM's own
+    # LoggingStatLogger logs each iteration's details at INFO; it only exists when a topology
+    # turns vLLM's log stats back on, and then the per-step lines are dropped unless the topology
+    # asked for them itself.
+    if "enable_logging_iteration_details" not in args:
+        args["enable_logging_iteration_details"] = True
+        if not args["disable_log_stats"]:
+            quiet_iteration_lines()
     if cpu:
         args.setdefault("block_size", CPU_BLOCK_SIZE)
         args.setdefault("enforce_eager", True)  # CPU: compile costs ~20 s at start and decodes slower

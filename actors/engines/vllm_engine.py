@@ -34,6 +34,7 @@ from actors.engines.protocol import (
     Prompt,
     Role,
     SamplingOptions,
+    StepSample,
 )
 from actors.engines.vllm_facts import kv_event_sources, model_facts
 from actors.engines.vllm_io import engine_output, lora_request, sampling_params, vllm_prompt
@@ -92,6 +93,7 @@ class VllmEngine(Engine):
             llm._run_output_handler()
         self.facts = model_facts(llm)
         self._sink.total_kv_blocks = self.facts.total_kv_blocks
+        self._sink.block_size = self.facts.block_size
         self._sink.ensure_ranks(self.facts.dp_size)
         self._kv_sources = kv_event_sources(llm, self.facts.dp_size)
         self._pin_cpus()
@@ -230,6 +232,9 @@ class VllmEngine(Engine):
 
     def stats(self) -> list[EngineStats]:
         return self._sink.latest()
+
+    def take_steps(self) -> list[StepSample]:
+        return self._sink.take_steps()
 
     @property
     def stats_sink(self) -> StatsSink:

@@ -4,14 +4,23 @@ vLLM builds stat loggers itself from factories ``(vllm_config, engine_index) -> 
 so the logger cannot be handed an engine object; ``StatsSink.logger_factory()`` returns a factory
 closed over the sink, which the engine owns. One sink per engine: vLLM's Prometheus logger is
 process-global and each new AsyncLLM unregisters the previous one's series.
+
+Step samples: with ``enable_logging_iteration_details`` (``vllm_args`` turns it on) every
+``SchedulerStats`` of an iteration that computed something carries ``iteration_details``
+(context tokens, generation requests, the iteration's elapsed time, measured in EngineCore around
+the model's forward pass and sampling). The sink keeps each as a ``StepSample``.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
-from actors.engines.protocol import EngineStats
+from actors.engines.protocol import EngineStats, StepSample
+
+# Step samples kept until the engine actor takes them; the oldest go first when nobody does.
+MAX_STEP_SAMPLES = 4096
 
 
 class StatsSink:
@@ -20,6 +29,9 @@ class StatsSink:
     def __init__(self) -> None:
         self._stats: dict[int, EngineStats] = {}
         self.total_kv_blocks = 0  # per rank; set once the engine knows its cache size
+        self.block_size = 0  # tokens per KV block; set with total_kv_blocks
+        self.steps: deque[StepSample] = deque(maxlen=MAX_STEP_SAMPLES)
+        self._usage_after: dict[int, float] = {}  # KV usage after each rank's latest step
         self.external_queries: dict[int, int] = {}  # KV-connector (e.g. NIXL) lookups, in tokens
         self.external_hits: dict[int, int] = {}
         self.kv_transfer_stats: dict[int, dict[str, Any]] = {}  # last non-empty connector stats
@@ -32,11 +44,34 @@ class StatsSink:
     def latest(self) -> list[EngineStats]:
         return [self._stats[r] for r in sorted(self._stats)]
 
+    def take_steps(self) -> list[StepSample]:
+        out = list(self.steps)
+        self.steps.clear()
+        return out
+
+    def _record_step(self, rank: int, scheduler_stats: Any) -> None:
+        usage = float(scheduler_stats.kv_cache_usage)
+        before = self._usage_after.get(rank, 0.0)
+        self._usage_after[rank] = usage
+        d = getattr(scheduler_stats, "iteration_details", None)
+        if d is None or d.is_dummy:  # a DP rank's idle forward pass says nothing about load
+            return
+        # vLLM reads the usage after the step, once the requests that finished in it have
+        # released their blocks (a lone request's last step would read 0); the larger of the
+        # usage after the previous step and after this one is what the step's batch held, unless
+        # requests both joined and left in it
+        held = max(before, usage)
+        kv_tokens = round(held * self.total_kv_blocks) * self.block_size
+        self.steps.append(StepSample(prefill_tokens=d.num_ctx_tokens,
+                                     decode_requests=d.num_generation_requests, kv_tokens=kv_tokens,
+                                     elapsed_ms=float(d.elapsed_ms), dp_rank=rank))
+
     def record(self, rank: int, scheduler_stats: Any, iteration_stats: Any) -> None:
         if iteration_stats is not None and iteration_stats.finished_requests:
             self.finished[rank] = self.finished.get(rank, 0) + len(iteration_stats.finished_requests)
         if scheduler_stats is None:
             return
+        self._record_step(rank, scheduler_stats)
         prev = self._stats.get(rank) or EngineStats(dp_rank=rank)
         pcs = scheduler_stats.prefix_cache_stats
         queries, hits = prev.prefix_queries, prev.prefix_hits

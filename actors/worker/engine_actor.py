@@ -332,9 +332,10 @@ class EngineActor(Actor):
         hdrs = codec.headers_for(True)
         while True:
             try:
-                stats = self.service.engine.stats()
+                engine = self.service.engine
+                stats = engine.stats()
                 self.metrics.update_engine(stats)
-                for rep in load_reports(self.instance, stats):
+                for rep in load_reports(self.instance, stats, steps=engine.take_steps()):
                     await self.bus.nc.publish(subject, codec.encode(rep, msgpack=True), headers=hdrs)
             except Exception as e:  # noqa: BLE001 - a missed report is harmless; keep reporting
                 log.debug("load report failed: %s", e)

@@ -23,7 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from actors.engines.protocol import EngineStats
+from actors.engines.protocol import EngineStats, StepSample
 from actors.worker.contract import LoadReport
 
 _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -108,11 +108,16 @@ def engine_metrics() -> bytes:
     return generate_latest(REGISTRY)
 
 
-def load_reports(instance: str, stats: list[EngineStats], now: float | None = None) -> list[LoadReport]:
-    """One LoadReport per DP rank from the engine's latest stats."""
+def load_reports(instance: str, stats: list[EngineStats], now: float | None = None,
+                 steps: list[StepSample] | None = None) -> list[LoadReport]:
+    """One LoadReport per DP rank from the engine's latest stats, each with that rank's ``steps``
+    (the samples taken since the previous reports; those of a rank without stats are dropped)."""
     ts = time.time() if now is None else now
+    by_rank: dict[int, list[StepSample]] = {}
+    for step in steps or ():
+        by_rank.setdefault(step.dp_rank, []).append(step)
     return [LoadReport(instance=instance, dp_rank=s.dp_rank, num_running=s.num_running,
                        num_waiting=s.num_waiting, kv_usage=s.kv_usage,
                        active_kv_blocks=s.active_kv_blocks, total_kv_blocks=s.total_kv_blocks,
-                       prefix_hit_rate=s.prefix_hit_rate, ts=ts)
+                       prefix_hit_rate=s.prefix_hit_rate, ts=ts, steps=by_rank.get(s.dp_rank, []))
             for s in stats]

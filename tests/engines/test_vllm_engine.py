@@ -190,6 +190,47 @@ async def test_prompt_embeds_equal_token_prompt(agg_engine) -> None:
     assert by_embeds == by_tokens
 
 
+async def test_step_samples_from_iteration_details(agg_engine) -> None:
+    """Each engine step reaches take_steps() as a StepSample (vLLM's iteration details)."""
+    agg_engine.take_steps()  # what the tests before left
+    prompt = prompt_ids(9, 70)  # 70 tokens no other test sends: nothing cached
+    outs = await collect(agg_engine, TokensPrompt(prompt), greedy(6), "steps-1")
+    assert outs[-1].cached_tokens == 0
+    steps = []
+    async with asyncio.timeout(10):  # the stats of the last step may trail its output
+        while sum(s.decode_requests for s in steps) < 5:
+            steps += agg_engine.take_steps()
+            await asyncio.sleep(0.05)
+    assert sum(s.prefill_tokens for s in steps) == 70  # the prompt, computed once
+    assert sum(s.decode_requests for s in steps) == 5  # the first token came with the prefill
+    block = agg_engine.facts.block_size
+    for s in steps:
+        assert s.dp_rank == 0 and s.elapsed_ms > 0
+        assert s.kv_tokens > 0 and s.kv_tokens % block == 0  # whole blocks: usage x blocks x size
+        assert s.prefill_tokens or s.decode_requests  # no idle or dummy steps
+    assert agg_engine.take_steps() == []  # taken means cleared
+
+
+async def test_iteration_details_on_without_vllm_logging_each_step() -> None:
+    import logging
+
+    from actors.engines.vllm_args import build_engine_args
+
+    args = build_engine_args({"model": "tiny"})
+    assert args.enable_logging_iteration_details and args.disable_log_stats  # no LoggingStatLogger
+    on = build_engine_args({"model": "tiny", "disable_log_stats": False})
+    assert on.enable_logging_iteration_details
+    vllm_log = logging.getLogger("vllm.v1.metrics.loggers")  # vLLM's LoggingStatLogger logs here
+
+    def record(msg: str) -> logging.LogRecord:
+        return vllm_log.makeRecord(vllm_log.name, logging.INFO, __file__, 0, msg, (), None)
+
+    assert not vllm_log.filter(record("%sIteration(%d): %d context requests, ..."))  # per step: dropped
+    assert vllm_log.filter(record("%sAvg prompt throughput: %.1f tokens/s, ..."))  # periodic: kept
+    asked = build_engine_args({"model": "tiny", "enable_logging_iteration_details": False})
+    assert not asked.enable_logging_iteration_details  # an explicit arg wins
+
+
 async def test_unknown_engine_arg_is_a_clear_error() -> None:
     from actors.engines.vllm_engine import VllmEngine
 

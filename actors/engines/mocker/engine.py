@@ -2,8 +2,8 @@
 
 One asyncio task per DP rank (``ranks.py``) runs scheduler steps: each step schedules
 (``scheduler.py``), waits the timing model's duration (``timing.py``; no sleep at all at zero
-compute, only a yield), then publishes the step's KV events as one ZMQ batch (``kv_events.py``) and
-delivers the step's tokens. Loaded LoRA adapters are kept in ``loras.py``. This module is the
+compute, only a yield), records a ``StepSample`` of it (``take_steps``), then publishes the step's
+KV events as one ZMQ batch (``kv_events.py``) and delivers the step's tokens. Loaded LoRA adapters are kept in ``loras.py``. This module is the
 engine's face: request admission and streaming, lifecycle, sleep, faults.
 
 Roles: "prefill" forces ``max_tokens=1`` and puts NIXL-like ``kv_transfer_params`` on the final
@@ -45,6 +45,7 @@ from actors.engines.protocol import (
     Prompt,
     Role,
     SamplingOptions,
+    StepSample,
     TextPrompt,
     TokensPrompt,
 )
@@ -133,12 +134,15 @@ class MockerEngine(Engine):
                     rank.work.clear()
                     await rank.work.wait()
                     continue
+                t0 = time.perf_counter()
                 res = sched.step()
+                kv_blocks = rank.blocks_in_step(res)  # a finished request's KV was read too
                 delay = self.timing.step_seconds(res.prefill_tokens, res.num_decode,
-                                                 rank.pool.num_used, rank.pool.num_blocks)
+                                                 kv_blocks, rank.pool.num_blocks)
                 await asyncio.sleep(delay)  # sleep(0) is a bare yield: zero compute means no delay
                 if self._dead.is_set():
                     return
+                rank.record_step(res, kv_blocks, time.perf_counter() - t0)
                 rank.flush_events()
                 self._deliver(rank, res)
         except asyncio.CancelledError:
@@ -356,6 +360,9 @@ class MockerEngine(Engine):
     def stats(self) -> list[EngineStats]:
         now = time.time()
         return [r.stats(now) for r in self._ranks]
+
+    def take_steps(self) -> list[StepSample]:
+        return [s for r in self._ranks for s in r.take_steps()]
 
     def kv_event_sources(self) -> list[KvEventSource]:
         return [src for r in self._ranks if (src := r.kv_event_source()) is not None]

@@ -1,18 +1,31 @@
 """The mocker's data-parallel ranks: each one a KV block pool, a scheduler, a ZMQ KV-event publisher
-(none for decode, which publishes no events) and the task that runs its steps; plus the per-request
-sink its steps deliver to. Built all or nothing: a rank that fails to bind closes the ones before.
+(none for decode, which publishes no events), the task that runs its steps and the samples of the
+steps it ran (``StepSample``, for the load-mode planner); plus the per-request sink its steps
+deliver to. Built all or nothing: a rank that fails to bind closes the ones before.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 
 from actors.engines.mocker.config import MockerArgs
 from actors.engines.mocker.kv_events import ZmqKvEventPublisher
 from actors.engines.mocker.kv_pool import BlockPool
-from actors.engines.mocker.scheduler import MockRequest, Scheduler
-from actors.engines.protocol import EngineOutput, EngineStats, KvEventSource, Role, SamplingOptions
+from actors.engines.mocker.scheduler import MockRequest, Scheduler, StepResult
+from actors.engines.protocol import (
+    EngineOutput,
+    EngineStats,
+    KvEventSource,
+    Role,
+    SamplingOptions,
+    StepSample,
+)
+
+# Step samples a rank keeps until the engine actor takes them (about a second of steps is taken
+# at a time; more is only kept while nobody takes them, and then the oldest go first).
+MAX_STEP_SAMPLES = 4096
 
 
 class Rank:
@@ -24,6 +37,29 @@ class Rank:
         self.publisher = publisher
         self.work = asyncio.Event()  # set when a request arrives for an idle loop
         self.task: asyncio.Task[None] | None = None
+        self.steps: deque[StepSample] = deque(maxlen=MAX_STEP_SAMPLES)
+
+    def blocks_in_step(self, res: StepResult) -> int:
+        """KV blocks the step's batch held: those in use now plus those its finished requests
+        released at its end (each counted once: a released block another request still holds is
+        in use)."""
+        ref = self.pool.ref_cnt
+        released = {b for req in res.finished for b in req.released_blocks if ref[b] == 0}
+        return self.pool.num_used + len(released)
+
+    def record_step(self, res: StepResult, kv_blocks: int, elapsed_s: float) -> None:
+        """One step that computed something: its prefill tokens and decodes, the KV blocks its batch
+        held (``blocks_in_step``), and its wall time (scheduling and the simulated compute)."""
+        if not res.scheduled:
+            return  # nothing was computed (every waiting request blocked): no sample of step time
+        self.steps.append(StepSample(prefill_tokens=res.prefill_tokens, decode_requests=res.num_decode,
+                                     kv_tokens=kv_blocks * self.pool.block_size,
+                                     elapsed_ms=elapsed_s * 1000.0, dp_rank=self.dp_rank))
+
+    def take_steps(self) -> list[StepSample]:
+        out = list(self.steps)
+        self.steps.clear()
+        return out
 
     def flush_events(self) -> None:
         events = self.pool.take_events()

@@ -2,7 +2,8 @@
 
 - Prefill, T = new (uncached) prompt tokens computed in the step, summed over the batch:
   ``prefill_ms(T) = 4.209989e-7·T² + 1.518344e-2·T + 16.50142`` (0 when T = 0).
-- Decode, p = active KV blocks / total KV blocks (KV load, clamped to 0..1):
+- Decode, p = KV blocks the step's batch held (requests finishing in it included) / total KV
+  blocks (KV load, clamped to 0..1):
   ``decode_ms(p) = max(1, -25.74·p² + 54.01·p + 5.74)`` (Dynamo's ``polynomial_decode_time``),
   i.e. ~5.7 ms on an empty cache rising to ~34 ms when the cache is full.
 - A step that has both prefill chunks and decodes costs the sum of the two.
