@@ -5,21 +5,25 @@ which its KV router's feed shares) into a WorkerSet, serves HTTP on
 ``FrontendConfig.http`` and registers a micro service (``nats micro info frontend``) whose
 ``status`` endpoint reports what it sees, plus an instance record in ns-instances. With the ``kv``
 router it also serves ``ns.router.*`` (route, finish, index.stats, index.dump: actors.router.service)
-over its own in-process router, the only KV router of the process.
+over its own in-process router, the only KV router of the process. Every
+``frontend.observe_interval`` seconds it publishes what it saw of its engine requests (a
+``FrontendWindow``, JSON, empty ones too) on ``ns.metrics.frontend.<instance>`` for the planner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from actors.base import Actor, Endpoint
 from actors.instances.watch import BucketWatch, watch_instances, watch_models
 from actors.router.service import RouterEndpoints, RouterState
-from bus import rpc
+from bus import codec, rpc
 from bus.context import BusContext
+from bus.tasks import cancel_and_wait
 from config.topology import FrontendConfig, ModelConfig, PoolConfig
 
 from .app import FrontendApp
@@ -29,6 +33,7 @@ from .discovery import WorkerSet
 from .http_guard import GuardedSite
 from .kv_routing import KvPolicy
 from .metrics import FrontendMetrics
+from .observations import Observations
 from .readiness import PoolExpectation, Readiness
 from .routing import Router, make_router
 
@@ -66,7 +71,8 @@ class FrontendActor(Actor):
         self._children: tuple[float, dict[str, dict[str, Any]]] = (0.0, {})
         self._last_ready: bool | None = None
         self._confirmer: InstanceConfirmer | None = None
-        self.metrics = FrontendMetrics()
+        self.metrics = FrontendMetrics(observations=Observations(self.instance, self.model or None))
+        self._observer: asyncio.Task[None] | None = None
         self._router: Router | None = None
         self.app: FrontendApp | None = None
         self._site: GuardedSite | None = None
@@ -133,11 +139,16 @@ class FrontendActor(Actor):
             raise
         log.info("frontend %s serving OpenAI API on http://%s:%d/v1 (router %s)", self.instance, host,
                  self.port, router.name)
+        if self.config.observe_interval > 0:
+            self._observer = asyncio.create_task(self._publish_windows(), name=f"{self.instance}-observe")
 
     async def on_stop(self) -> None:
         await self._cleanup()
 
     async def _cleanup(self) -> None:
+        if self._observer is not None:
+            await cancel_and_wait([self._observer])
+            self._observer = None
         aclose = getattr(self._router, "aclose", None)
         if aclose is not None:
             await aclose()
@@ -152,6 +163,26 @@ class FrontendActor(Actor):
         self._unsubscribe = []
         if self._confirmer is not None:
             await self._confirmer.close()
+
+    async def _publish_windows(self) -> None:
+        """One window per interval, on a fixed schedule (a late publish does not shift the next),
+        including empty ones: the planner must see zero traffic as zero, not as silence."""
+        subject = self.bus.subjects.metrics_frontend(self.instance)
+        headers = codec.headers_for(False)
+        interval = self.config.observe_interval
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        while True:
+            due += interval
+            delay = due - loop.time()
+            if delay < 0:  # the loop fell behind by more than a window: start the schedule anew
+                due, delay = loop.time(), 0.0
+            await asyncio.sleep(delay)
+            window = self.metrics.observations.roll(time.time())
+            try:
+                await self.bus.nc.publish(subject, codec.encode(window), headers=headers)
+            except Exception as e:  # noqa: BLE001 - a lost window is a gap the planner tolerates
+                log.debug("frontend window not published: %s", e)
 
     # --- readiness ------------------------------------------------------------------------------------
     async def health(self, detail: bool = True) -> tuple[bool, dict[str, Any]]:

@@ -1,10 +1,14 @@
 """A planned request's choices: one CompletionFlow per (prompt, n), each with its text stream
-(detokenization, stop strings), and all their chunks merged in arrival order. No HTTP here."""
+(detokenization, stop strings), and all their chunks merged in arrival order. No HTTP here.
+
+Each choice is one engine request of the planner's observations (``observations``): its chunks
+are noted as they arrive from its flow, whether the client streams or not."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 
 import msgspec
@@ -14,6 +18,7 @@ from bus.tasks import cancel_and_wait
 
 from .completion_flow import CompletionFlow, FlowDeps, FlowSpec
 from .detok import TextStream
+from .observations import RequestObservation
 from .planning import Plan
 
 Arrival = tuple["Choice", GenerateChunk]
@@ -24,7 +29,7 @@ Queued = tuple["Choice", GenerateChunk | None, BaseException | None]
 class Choice:
     """One output choice: a flow plus its text stream; turns worker chunks into client deltas."""
 
-    __slots__ = ("index", "flow", "text", "pre", "finish_reason", "stop_reason")
+    __slots__ = ("index", "flow", "text", "pre", "finish_reason", "stop_reason", "obs")
 
     def __init__(self, index: int, flow: CompletionFlow, plan: Plan, prompt_ids: list[int] | None) -> None:
         self.index = index
@@ -36,6 +41,25 @@ class Choice:
                                include_stop_str_in_output=out.include_stop_str_in_output)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.obs: RequestObservation | None = None  # set by the pipeline: the planner's view
+
+    def arrived(self, chunk: GenerateChunk) -> None:
+        """Note a chunk from the flow as it arrives (before the client is written to)."""
+        if self.obs is not None:
+            if self.finish_reason is None:  # past a stop string the client sees nothing more
+                self.obs.token(time.perf_counter(), len(chunk.token_ids))
+            if chunk.finish_reason is not None or self.finish_reason is not None:
+                self.ended()
+
+    def ended(self) -> None:
+        """The choice is complete (its last chunk, or a stop string): its token counts are final."""
+        if self.obs is not None:
+            st = self.flow.state
+            self.obs.finish(st.prompt_tokens, st.completion_tokens, st.cached_tokens)
+
+    def failed(self) -> None:
+        if self.obs is not None:
+            self.obs.fail()
 
     def feed(self, chunk: GenerateChunk) -> str:
         """Delta text for a chunk; sets finish_reason when the choice is complete."""
@@ -102,9 +126,14 @@ async def _single(c: Choice) -> AsyncIterator[Arrival]:
     gen = c.flow.chunks()
     try:
         async for chunk in gen:
+            c.arrived(chunk)
             yield c, chunk
             if c.finish_reason is not None:
-                return
+                break
+        c.ended()
+    except Exception:
+        c.failed()
+        raise
     finally:
         await gen.aclose()
 
@@ -114,14 +143,19 @@ async def _pump(c: Choice, queue: asyncio.Queue[Queued]) -> None:
     gen = c.flow.chunks()
     try:
         async for chunk in gen:
+            c.arrived(chunk)
             await queue.put((c, chunk, None))
             if c.finish_reason is not None:
                 break
     except Exception as e:
+        c.failed()
         await queue.put((c, None, e))
         return
     finally:
+        if c.finish_reason is not None:  # a stop string ended it while the flow still ran
+            c.ended()
         await gen.aclose()
+    c.ended()
     await queue.put((c, None, None))
 
 

@@ -1,9 +1,12 @@
-"""Frontend Prometheus metrics on their own CollectorRegistry (no clash with vLLM's globals)."""
+"""Frontend Prometheus metrics on their own CollectorRegistry (no clash with vLLM's globals), and
+the planner's per-window observations (``observations.Observations``), which travel with them."""
 
 from __future__ import annotations
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .observations import Observations
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -13,7 +16,10 @@ _TOK = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 class FrontendMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, prefix: str = "frontend") -> None:
+    def __init__(self, prefix: str = "frontend", observations: Observations | None = None) -> None:
+        # per engine request (one choice of n), for the planner; the histograms below are per HTTP
+        # request and take TTFT from the same start (the pipeline's t0)
+        self.observations = observations if observations is not None else Observations()
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = prefix
         self.requests = Counter(f"{p}_requests", "HTTP requests by endpoint, model and status",

@@ -66,6 +66,8 @@ class CompletionPipeline:
             finally:
                 m.queued.labels(label).dec()
             choices = self._choices(plan, target=request.headers.get(WORKER_HEADER))
+            for c in choices:  # each choice is one engine request the planner sees
+                c.obs = m.observations.start(t0)
             for ids, _ in plan.prompts:
                 if ids is not None:
                     m.input_tokens.labels(label).observe(len(ids))
