@@ -189,12 +189,13 @@ class PlannerActor(Actor):
         self.decisions.append(decision)
         self.metrics.decided(decision)
         for p in decision.pools:
-            if p.target != p.current or p.desired != p.current:
+            if p.target != p.current:
                 log.info("planner: %s %d -> %d (desired %d: %s%s)%s", p.pool, p.current, p.target, p.desired,
                          p.reason, f"; {p.constraint}" if p.constraint else "",
                          " [no-op]" if self.config.no_op else "")
             else:
-                log.debug("planner: %s stays at %d (%s)", p.pool, p.current, p.reason)
+                log.debug("planner: %s stays at %d (desired %d: %s%s)", p.pool, p.current, p.desired, p.reason,
+                          f"; {p.constraint}" if p.constraint else "")
         await self.bus.nc.publish(self.bus.subjects.planner_decision(), codec.encode(decision),
                                   headers=codec.headers_for(False))
         if not self.config.no_op:
@@ -295,6 +296,9 @@ class PlannerActor(Actor):
             if st.model is None:
                 raise NotFound(f"pool {req.pool}: no profile ({st.profile_error or 'none configured'})")
             return {"path": str(st.profile_path), "profile": msgspec.to_builtins(st.model.profile)}
+        for st in pools.values():
+            if st.model is None:
+                st.load_model()
         return {"pools": {name: ({"path": str(st.profile_path), **profile_summary(st.model.profile)}
                                  if st.model is not None else
                                  {"path": str(st.profile_path), "error": st.profile_error or "not loaded"})
