@@ -1,5 +1,9 @@
 """Per-engine rates from a measured profile (``Profile``): what throughput mode divides demand by.
 
+"Engine" here is what the profiler measured: one worker of the pool, all its tensor/pipeline/data
+parallel ranks together, so demand over these rates counts replicas (the budgets then count
+replicas x engines_per_replica).
+
 A profile holds points measured at a few (ISL, concurrency) and (context, concurrency) pairs. Every
 question is answered the same way: for each measured concurrency, the latency and tokens/s at the
 asked ISL (or context) are interpolated linearly between the measured ISLs (``numpy.interp``); over
