@@ -185,7 +185,10 @@ class PlannerActor(Actor):
             if samples:
                 st.regression.fit(samples)
         observed = self.observer.take_interval()
-        decision = self.planner.decide(self.views, observed, self._loads())
+        predicted = None
+        if self.config.mode == "throughput":  # statsmodels fits block for tens of ms: off the loop
+            predicted = await asyncio.to_thread(self.planner.predict, observed)
+        decision = self.planner.decide(self.views, observed, self._loads(), predicted=predicted)
         self.decisions.append(decision)
         self.metrics.decided(decision)
         for p in decision.pools:
@@ -228,12 +231,14 @@ class PlannerActor(Actor):
 
     def _loads(self) -> dict[str, list[EngineLoad]]:
         isl = self.planner.last_isl or 0.0
+        busy = self.observer.take_busy()
         out: dict[str, list[EngineLoad]] = {}
         for name, v in self.views.items():
             per: dict[str, EngineLoad] = {}
             for r in self.observer.reports(v.instances):
                 e = per.setdefault(r.instance, EngineLoad(instance=r.instance, num_waiting=0, num_running=0,
-                                                          kv_tokens=0, queued_prefill_tokens=0))
+                                                          kv_tokens=0, queued_prefill_tokens=0,
+                                                          busy=busy.get(r.instance, 0.0)))
                 e.num_waiting += r.num_waiting
                 e.num_running += r.num_running
                 e.kv_tokens += r.active_kv_blocks * v.block_size

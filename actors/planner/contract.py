@@ -157,6 +157,7 @@ class Decision(msgspec.Struct, kw_only=True, omit_defaults=True):
     predicted: Observed | None = None  # throughput mode: the next interval's demand
     pools: list[PoolDecision] = []
     actions: list[Action] = []
+    notes: list[str] = []  # e.g. a predictor that fell back to the last value, and why
 
 
 class PoolStatus(msgspec.Struct, kw_only=True, omit_defaults=True):

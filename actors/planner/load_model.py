@@ -144,6 +144,19 @@ class EngineLoad:
     num_running: int
     kv_tokens: int  # KV tokens in use
     queued_prefill_tokens: int  # uncached prompt tokens of the waiting requests
+    busy: float = 0.0  # share of the last interval the engine spent in steps (0..1 per rank)
+
+    def sharing(self, factor: float) -> EngineLoad:
+        """This engine carrying ``factor`` times its load (a removed replica's share spread)."""
+        return EngineLoad(self.instance, num_waiting=self.num_waiting, num_running=self.num_running,
+                          kv_tokens=round(self.kv_tokens * factor),
+                          queued_prefill_tokens=round(self.queued_prefill_tokens * factor),
+                          busy=self.busy * factor)
+
+
+# an engine busier than this after a scale-down starts to queue: the simulated latency of its
+# current queue would then be no guide to the next interval's
+BUSY_CEILING = 0.85
 
 
 def simulate(engine: EngineLoad, reg: StepRegression, isl: float,
@@ -174,20 +187,29 @@ def _ms(values: Sequence[float]) -> str:
 
 def decide(role: str, engines: list[EngineLoad], reg: StepRegression, isl: float, ttft_target_ms: float,
            itl_target_ms: float, sensitivity: float) -> tuple[int, str]:
-    """+1 when every engine is over target (prefill: TTFT, decode: ITL, agg: either), -1 when every
-    engine is under target x ``sensitivity`` (agg: both), else 0; and why, with the estimates."""
+    """+1 when every engine is over target (prefill: TTFT, decode: ITL, agg: either); -1 when every
+    engine would stay under target x ``sensitivity`` (agg: both) and under ``BUSY_CEILING`` busy
+    with one replica fewer; else 0; and why, with the estimates.
+
+    Why the scale-down looks one replica ahead: judged on the engines as they are, a pool that
+    keeps up only because it has n replicas looks idle (empty queues), loses one, queues, gains it
+    back, and oscillates every interval. The remaining n-1 engines take the removed one's share:
+    queue, KV and busy time grow by n/(n-1)."""
     if not engines:
         return 0, f"{role}: no engines reporting load"
     use_ttft, use_itl = role in ("prefill", "agg"), role in ("decode", "agg")
     if (use_ttft and not reg.prefill_ready) or (use_itl and not reg.decode_ready):
         return 0, f"{role}: step fit not ready ({reg.progress()})"
-    sims = [simulate(e, reg, isl, interference=role == "agg") for e in engines]
-    ttfts = [t for t, _ in sims if t is not None]
-    itls = [i for _, i in sims if i is not None]
-    over = [(use_ttft and t is not None and t > ttft_target_ms) or (use_itl and i is not None and i > itl_target_ms)
-            for t, i in sims]
-    under = [(not use_ttft or (t is not None and t < ttft_target_ms * sensitivity))
-             and (not use_itl or (i is not None and i < itl_target_ms * sensitivity)) for t, i in sims]
+
+    def estimates(loads: list[EngineLoad]) -> tuple[list[float], list[float], list[bool], list[bool]]:
+        sims = [simulate(e, reg, isl, interference=role == "agg") for e in loads]
+        over = [(use_ttft and t is not None and t > ttft_target_ms) or (use_itl and i is not None and i > itl_target_ms)
+                for t, i in sims]
+        under = [(not use_ttft or (t is not None and t < ttft_target_ms * sensitivity))
+                 and (not use_itl or (i is not None and i < itl_target_ms * sensitivity)) for t, i in sims]
+        return [t for t, _ in sims if t is not None], [i for _, i in sims if i is not None], over, under
+
+    ttfts, itls, over, under = estimates(engines)
     parts = []
     if use_ttft:
         parts.append(f"TTFT est {_ms(ttfts)} ms vs target {ttft_target_ms:g}")
@@ -196,6 +218,16 @@ def decide(role: str, engines: list[EngineLoad], reg: StepRegression, isl: float
     seen = f"{role}, ISL {isl:.0f}: " + "; ".join(parts)
     if all(over):
         return 1, f"{seen}: every engine over target: +1"
-    if all(under):
+    if not all(under):
+        return 0, f"{seen}: hold"
+    n = len(engines)
+    if n == 1:
         return -1, f"{seen}: every engine under target x {sensitivity:g}: -1"
-    return 0, f"{seen}: hold"
+    fewer = [e.sharing(n / (n - 1)) for e in engines]
+    ttfts2, itls2, _, under2 = estimates(fewer)
+    busiest = max(e.busy for e in fewer)
+    after = "; ".join(([f"TTFT est {_ms(ttfts2)} ms"] if use_ttft else [])
+                      + ([f"ITL est {_ms(itls2)} ms"] if use_itl else []) + [f"busy up to {busiest:.0%}"])
+    if all(under2) and busiest < BUSY_CEILING:
+        return -1, f"{seen}: under target x {sensitivity:g}, and with {n - 1} engines still ({after}): -1"
+    return 0, f"{seen}: under target, but with {n - 1} engines: {after}: hold"

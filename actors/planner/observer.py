@@ -69,6 +69,8 @@ class Observer:
         self._since = time.time()
         self._reports: dict[tuple[str, int], tuple[float, LoadReport]] = {}
         self.steps: dict[str, deque[StepSample]] = {}  # pool -> step samples not yet fitted
+        self._busy_ms: dict[str, float] = {}  # instance -> step time since the last take_busy
+        self._busy_since = time.monotonic()
         self.windows_seen = 0
 
     # --- inputs ----------------------------------------------------------------------------------
@@ -80,8 +82,11 @@ class Observer:
 
     def add_load(self, report: LoadReport, pool: str | None, now: float | None = None) -> None:
         self._reports[(report.instance, report.dp_rank)] = (now if now is not None else time.monotonic(), report)
-        if pool is not None and report.steps:
-            self.steps.setdefault(pool, deque(maxlen=STEP_WINDOW)).extend(report.steps)
+        if report.steps:
+            self._busy_ms[report.instance] = self._busy_ms.get(report.instance, 0.0) + sum(
+                st.elapsed_ms for st in report.steps)
+            if pool is not None:
+                self.steps.setdefault(pool, deque(maxlen=STEP_WINDOW)).extend(report.steps)
 
     def forget(self, instance: str) -> None:
         """A worker left the registry: its last report is no longer load."""
@@ -94,6 +99,15 @@ class Observer:
         obs = self._totals.observed(now - self._since)
         self._totals, self._since = Totals(), now
         return obs
+
+    def take_busy(self, now: float | None = None) -> dict[str, float]:
+        """Each instance's share of the time since the last call spent in scheduler steps (summed
+        over its DP ranks, so up to dp_size)."""
+        now = now if now is not None else time.monotonic()
+        seconds = max(1e-3, now - self._busy_since)
+        out = {inst: ms / 1000.0 / seconds for inst, ms in self._busy_ms.items()}
+        self._busy_ms, self._busy_since = {}, now
+        return out
 
     def take_steps(self, pool: str) -> list[StepSample]:
         """The pool's step samples since the last call (the regression keeps its own window)."""

@@ -101,15 +101,20 @@ class Planner:
             q: make_predictor(cfg.predictor, cfg.history) for q in ("request_rate", "isl", "osl", "kv_hit_rate")}
         self._fed: set[str] = set()  # quantities seen at least once
         self.last_isl: float | None = None
+        self.notes: list[str] = []  # the predictors' fallbacks at the last prediction
 
     # --- one interval --------------------------------------------------------------------------------
     def decide(self, views: dict[str, PoolView], observed: Observed,
-               loads: dict[str, list[EngineLoad]], now: float | None = None) -> Decision:
+               loads: dict[str, list[EngineLoad]], now: float | None = None,
+               predicted: Observed | None = None) -> Decision:
+        """``predicted``: ``predict(observed)``'s answer (throughput mode), computed beforehand when
+        the caller runs the fits off its event loop; None: computed here."""
         now = now if now is not None else time.time()
         self.seq += 1
         if observed.isl is not None:
             self.last_isl = observed.isl
-        predicted = self._predicted(observed) if self.cfg.mode == "throughput" else None
+        if self.cfg.mode == "throughput" and predicted is None:
+            predicted = self.predict(observed)
         desired: dict[str, int] = {}
         reasons: dict[str, str] = {}
         current = {n: v.current for n, v in views.items()}
@@ -126,7 +131,8 @@ class Planner:
         constrained = constrain(desired, current, {n: s.limits for n, s in self.pools.items() if n in views},
                                 self.cfg.budget, self.cfg.host_budget)
         decision = Decision(seq=self.seq, ts=now, mode=self.cfg.mode, no_op=self.cfg.no_op,
-                            interval=self.cfg.effective_interval(), observed=observed, predicted=predicted)
+                            interval=self.cfg.effective_interval(), observed=observed, predicted=predicted,
+                            notes=list(self.notes) if self.cfg.mode == "throughput" else [])
         for name, view in views.items():
             st = self.pools[name]
             target, why = constrained[name]
@@ -144,7 +150,9 @@ class Planner:
             decision.actions += self._actions(view, target)
         return decision
 
-    def _predicted(self, observed: Observed) -> Observed:
+    def predict(self, observed: Observed) -> Observed:
+        """Feed this interval to the predictors; the next interval's demand. The statsmodels fits
+        take tens of milliseconds: the actor runs this in a thread, one call at a time."""
         values = {"request_rate": observed.request_rate, "isl": observed.isl, "osl": observed.osl,
                   "kv_hit_rate": observed.kv_hit_rate}
         out: dict[str, float | None] = {}
@@ -153,6 +161,8 @@ class Planner:
                 self._predict[q].add(float(v))
                 self._fed.add(q)
             out[q] = self._predict[q].predict() if q in self._fed else None
+        self.notes = [f"{q} predictor ({self.cfg.predictor}) fell back to the last value: {p.last_fallback}"
+                      for q, p in self._predict.items() if q in self._fed and p.last_fallback]
         hit = out["kv_hit_rate"]
         return Observed(request_rate=out["request_rate"] or 0.0, isl=out["isl"], osl=out["osl"],
                         kv_hit_rate=None if hit is None else min(1.0, max(0.0, hit)))

@@ -109,10 +109,19 @@ def test_decide_prefill():
     assert n == 1
     assert why == "prefill, ISL 1000: TTFT est 230.0, 270.0 ms vs target 200: every engine over target: +1"
     assert decide("prefill", busy + [engine("c")], reg, 1000, 200, 50, 0.7)[0] == 0
-    idle = [engine("a"), engine("b", queued=5000)]  # 25, 125 ms: both under 200 x 0.7
+    # one engine fewer doubles each queue: 25 and 85 ms (2000 -> 4000 queued) stay under 140
+    idle = [engine("a"), engine("b", queued=2000)]
     n, why = decide("prefill", idle, reg, 1000, 200, 50, 0.7)
-    assert n == -1 and why.endswith("every engine under target x 0.7: -1")
-    assert decide("prefill", idle, reg, 1000, 200, 50, 0.5)[0] == 0  # 125 is not under 100
+    assert n == -1 and why.endswith("and with 1 engines still (TTFT est 25.0, 105.0 ms; busy up to 0%): -1"), why
+    assert decide("prefill", idle, reg, 1000, 200, 50, 0.5)[0] == 0  # 105 is not under 100
+    # under target as they are, but not with one fewer: 125 ms -> 225 ms with 10000 queued
+    n, why = decide("prefill", [engine("a"), engine("b", queued=5000)], reg, 1000, 200, 50, 0.7)
+    assert n == 0 and "but with 1 engines" in why
+    # idle queues, but each engine busy 50%: one fewer would be 100% busy (a pool that keeps up
+    # only because it has two replicas)
+    busy_pair = [EngineLoad("a", 0, 1, 0, 0, busy=0.5), EngineLoad("b", 0, 1, 0, 0, busy=0.5)]
+    n, why = decide("prefill", busy_pair, reg, 1000, 200, 50, 0.7)
+    assert n == 0 and "busy up to 100%" in why
 
 
 def test_decide_decode():
