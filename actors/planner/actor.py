@@ -278,6 +278,7 @@ class PlannerActor(Actor):
 
     # --- endpoints -----------------------------------------------------------------------------------
     async def status(self, req: Any, headers: Mapping[str, str]) -> PlannerStatus:
+        self.views = await self._views()  # as things are now, not as at the last decision
         engines = sum(v.current * self.planner.pools[n].limits.engines_per_replica for n, v in self.views.items())
         cfg = self.config
         return PlannerStatus(instance=self.instance, mode=cfg.mode, no_op=cfg.no_op,

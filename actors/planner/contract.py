@@ -126,7 +126,7 @@ class Observed(msgspec.Struct, kw_only=True, omit_defaults=True):
     itl_p90_ms: float | None = None
 
 
-class Action(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Action(msgspec.Struct, kw_only=True):
     kind: Literal["spawn", "stop"]
     pool: str
     child: str
