@@ -202,7 +202,7 @@ class PlannerPoolConfig(_Strict):
     min_replicas: int | None = None  # default: planner.min_replicas
     max_replicas: int | None = None  # default: as many as the budget allows
     # engines one replica occupies (counted against the budgets); default: the product of the
-    # pool's tensor/pipeline/data-parallel sizes in engine_args (1 for the mocker)
+    # pool's tensor/pipeline/data-parallel sizes in engine_args (the mocker: its dp_size)
     engines_per_replica: int | None = None
     profile: str | None = None  # throughput mode's profile file (default <profile_dir>/<pool>.json)
 

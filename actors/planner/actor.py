@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from actors.base import Actor, Endpoint
 from actors.instances.contract import InstanceRecord
 from actors.instances.watch import BucketWatch, watch_instances
-from actors.planner.constraints import PoolLimits, engines_per_replica
+from actors.planner.constraints import PoolLimits, replica_engines
 from actors.planner.contract import (
     PLANNER_KIND,
     VERB_DECISIONS,
@@ -69,8 +69,7 @@ def pool_states(cfg: PlannerConfig, pools: Mapping[str, PoolConfig], roots: Mapp
         lo = pp.min_replicas if pp is not None and pp.min_replicas is not None else cfg.min_replicas
         limits = PoolLimits(pool=name, host=roots.get(name, p.host), min_replicas=lo,
                             max_replicas=pp.max_replicas if pp is not None else None,
-                            engines_per_replica=(pp.engines_per_replica if pp is not None and pp.engines_per_replica
-                                                 else engines_per_replica(p)),
+                            engines_per_replica=replica_engines(cfg, name, p),
                             managed=pp.managed if pp is not None else True)
         st = PoolState(limits=limits, role=p.role, engine=p.engine, profile_path=profiles.get(name))
         if cfg.mode == "throughput":

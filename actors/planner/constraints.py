@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from config.topology import PoolConfig
+from config.topology import PlannerConfig, PoolConfig
 
 
 @dataclass
@@ -48,6 +48,13 @@ def engines_per_replica(pool: PoolConfig) -> int:
             raise ValueError(f"engine_args {key} must be a positive integer (got {v!r})")
         n *= v
     return n
+
+
+def replica_engines(planner: PlannerConfig, name: str, pool: PoolConfig) -> int:
+    """What one replica of pool ``name`` counts against the budgets: the topology's
+    ``planner.pools.<name>.engines_per_replica``, else ``engines_per_replica(pool)``."""
+    pp = planner.pools.get(name)
+    return pp.engines_per_replica if pp is not None and pp.engines_per_replica else engines_per_replica(pool)
 
 
 def _reduce(targets: dict[str, int], wanted: dict[str, int], limits: dict[str, PoolLimits],

@@ -47,6 +47,7 @@ import msgspec
 from actors.engines.mocker.config import MockerArgs
 from actors.instances.contract import WORKER_KIND, InstanceRecord, ModelCard
 from actors.planner import sweep as S
+from actors.planner.constraints import replica_engines
 from actors.planner.contract import Profile
 from actors.worker.contract import GenerateChunk, GenerateRequest
 from bus import event_loop
@@ -207,17 +208,6 @@ def max_num_seqs(pool: PoolConfig) -> int:
     return n
 
 
-def engines_per_replica(t: Topology, pool: str) -> int:
-    pp = t.planner.pools.get(pool)
-    if pp is not None and pp.engines_per_replica:
-        return pp.engines_per_replica
-    p = t.pools[pool]
-    if p.engine == "mocker":
-        return 1
-    return math.prod(int(p.engine_args.get(k) or 1) for k in
-                     ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
-
-
 def mocker_avoid(pool: PoolConfig) -> frozenset[int]:
     """Token ids a prompt must not hold: the mocker's poison id kills its worker by design."""
     if pool.engine != "mocker":
@@ -304,7 +294,7 @@ async def measure(args: argparse.Namespace, t: Topology, bus: BusContext,
                         osl=args.osl, on_cached=cached)
     await sweeper.warm_up(min(p.isl for p in points), decode=sweep.decode)
     prof = Profile(pool=args.pool, role=pool.role, engine=pool.engine, model=card.served_model_name,
-                   made_by=command, made_at=time.time(), engines_per_replica=engines_per_replica(t, args.pool),
+                   made_by=command, made_at=time.time(), engines_per_replica=replica_engines(t.planner, args.pool, t.pools[args.pool]),
                    kv_capacity_tokens=limits.kv_capacity_tokens, max_num_seqs=limits.max_num_seqs)
     print(f"{'point':<8} {'isl/ctx':>8} {'conc':>5} {'requests':>9} {'TTFT/ITL ms':>12} {'tokens/s':>12}",
           flush=True)
