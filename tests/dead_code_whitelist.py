@@ -19,9 +19,7 @@ _.pre_tokenizer, _.post_processor
 
 # wire fields: read by NATS clients (the CLI, operators), not by our code.
 _.uptime  # HealthReply
-
-# topology schema: parsed from TOML and shown by --check; the planner (issue 13) acts on them.
-_.ttft_target_ms, _.itl_target_ms
+_.ttft_p90_ms, _.itl_p90_ms, _.last_decision  # the planner's Observed and PlannerStatus
 
 # result fields written to the benchmark's JSON output (bench/frontend_bench.py).
 _.latency_avg, _.wrk_cpu_s

@@ -90,7 +90,6 @@ class PlannerActor(Actor):
         super().__init__(bus, instance=instance or f"planner-{bus.host}", role="planner", model=model or "",
                          **kw)
         self.config = config
-        self.pool_configs = dict(pools)
         self.roots = dict(roots)
         self.planner = Planner(config, pool_states(config, pools, roots, profiles), instance=self.instance)
         self.observer = Observer(model)

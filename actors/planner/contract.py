@@ -14,7 +14,6 @@ adding counts.
 from __future__ import annotations
 
 import bisect
-import math
 from typing import Literal
 
 import msgspec
@@ -79,18 +78,6 @@ class Histogram(msgspec.Struct, kw_only=True):
                 return lo + (self.bounds_ms[i] - lo) * max(0.0, rank - seen) / c
             seen += c
         return self.bounds_ms[-1]
-
-    def share_at_most(self, ms: float) -> float | None:
-        """Fraction of observations <= ``ms`` (exact at bucket bounds, interpolated between)."""
-        n = self.count
-        if not n:
-            return None
-        i = bisect.bisect_left(self.bounds_ms, ms)
-        below = sum(self.counts[:i])
-        if i < len(self.bounds_ms):
-            lo = self.bounds_ms[i - 1] if i else 0.0
-            below += self.counts[i] * (ms - lo) / (self.bounds_ms[i] - lo)
-        return min(1.0, below / n)
 
 
 class FrontendWindow(msgspec.Struct, kw_only=True):
@@ -246,8 +233,3 @@ def profile_summary(p: Profile) -> dict[str, object]:
             "decode_points": len(p.decode),
             "isl_range": [min((x.isl for x in p.prefill), default=0), max((x.isl for x in p.prefill), default=0)],
             "max_decode_concurrency": max((x.concurrency for x in p.decode), default=0)}
-
-
-def finite(x: float | None) -> float | None:
-    """None for NaN/inf (JSON has neither)."""
-    return x if x is not None and math.isfinite(x) else None

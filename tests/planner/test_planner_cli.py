@@ -26,7 +26,6 @@ from typing import Any
 
 import msgspec
 import nats
-import pytest
 
 from actors.planner.contract import DecodePoint, PrefillPoint, Profile
 from tests.e2e.conftest import PY, ROOT, Deployment, post
@@ -265,9 +264,3 @@ def test_a_restarted_planner_resumes_from_the_real_replica_counts(tmp_path: Path
             second.send_signal(signal.SIGTERM)
             assert second.wait(30) == 0
     assert not traffic.failures(), traffic.failures()[:5]
-
-
-
-@pytest.fixture(autouse=True)
-def _no_stray_nats_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("NATS_URL", raising=False)
