@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from config.paths import profile_dir, profile_path, run_dir
 from config.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
@@ -37,6 +37,9 @@ from config.workers import bus_url, embeds_nats
 from deploy import nats_conf
 from deploy.pools import worker_spec
 from supervisors.child import Child, ChildSpec
+
+if TYPE_CHECKING:
+    from actors.planner.metrics import PlannerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +152,15 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
     if control is not None:
         inproc.append(Node(ChildSpec("control", lambda: control(link), "permanent", sup.drain_timeout),
                            "control", f"supervisor micro service on {t.namespace}.supervisor.{host}.*"))
+    # the planner's series are served by the frontend's /metrics when both run in this process; made
+    # once per plan, so that a restarted planner (or frontend) keeps the same counters
+    planner_metrics = None
+    if t.planner.enabled and t.planner.host in shares:
+        from actors.planner.metrics import PlannerMetrics
+        planner_metrics = PlannerMetrics()
     for h in shares:
-        inproc += _frontend_nodes(t, h, link, relay, shares) + _planner_nodes(t, h, link, shares)
+        inproc += (_frontend_nodes(t, h, link, relay, shares, planner_metrics)
+                   + _planner_nodes(t, h, link, shares, planner_metrics))
         if t.echo and h in t.echo_hosts:
             inproc.append(_echo_node(t, h, link, multi=len(shares) > 1))
     inproc_sup = SupervisorConfig(strategy="rest_for_one", intensity=sup.intensity, period=sup.period,
@@ -219,7 +229,7 @@ def _worker_nodes(t: Topology, name: str, pool: PoolConfig, topology_path: str |
 
 
 def _frontend_nodes(t: Topology, host: str, link: BusLink, status: Callable[[str], None],
-                    shares: list[str]) -> list[Node]:
+                    shares: list[str], planner_metrics: PlannerMetrics | None = None) -> list[Node]:
     """The OpenAI HTTP frontend, on the host the topology names. It knows the pools it waits for
     (readiness) and which roots to ask what a missing worker is doing: this process's root (named
     ``link.host``) for the hosts it runs, each other host's own root otherwise."""
@@ -231,24 +241,24 @@ def _frontend_nodes(t: Topology, host: str, link: BusLink, status: Callable[[str
     def start() -> Child:
         from actors.frontend.actor import FrontendActor
         return FrontendActor(link.child_ctx(), config=fe, model_config=model, instance=f"frontend-{host}",
-                             pools=t.pools, supervisor_hosts=roots, on_status=status)
+                             pools=t.pools, supervisor_hosts=roots, on_status=status,
+                             extra_metrics=[planner_metrics.registry] if planner_metrics is not None else [])
 
     return [Node(ChildSpec("frontend", start, "permanent", t.supervisor.drain_timeout), "actor",
                  f"FrontendActor http://{fe.http}/v1 (router {fe.router}"
                  + (f"; KV router endpoints on {t.namespace}.router.*)" if fe.router == "kv" else ")"))]
 
 
-def _planner_nodes(t: Topology, host: str, link: BusLink, shares: list[str]) -> list[Node]:
+def _planner_nodes(t: Topology, host: str, link: BusLink, shares: list[str],
+                   metrics: PlannerMetrics | None) -> list[Node]:
     """The SLA planner, on the host ``planner.host`` names. It scales each pool through the root
     that runs it: this process's root (named ``link.host``) for the hosts it runs, each other host's
-    own root otherwise. Its metrics registry is made once, so a restarted planner keeps counting."""
+    own root otherwise."""
     pl = t.planner
     if not (pl.enabled and pl.host == host):
         return []
     roots = {name: (link.host if p.host in shares else p.host) for name, p in t.pools.items()}
     profiles = {name: profile_path(t, name) for name in t.pools}
-    from actors.planner.metrics import PlannerMetrics
-    metrics = PlannerMetrics()
 
     def start() -> Child:
         from actors.planner.actor import PlannerActor

@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
+
+from prometheus_client import CollectorRegistry
 
 from actors.base import Actor, Endpoint
 from actors.instances.watch import BucketWatch, watch_instances, watch_models
@@ -53,7 +55,8 @@ class FrontendActor(Actor):
                  model_config: ModelConfig | None = None, instance: str | None = None,
                  registry_ttl: float | None = None, pools: Mapping[str, PoolConfig] | None = None,
                  supervisor_hosts: list[str] | None = None, on_status: Callable[[str], None] | None = None,
-                 **kw: Any) -> None:
+                 extra_metrics: Sequence[CollectorRegistry] = (), **kw: Any) -> None:
+        """``extra_metrics``: other registries of this process that /metrics serves (the planner's)."""
         self.config = config or FrontendConfig()
         self.model_config = model_config
         super().__init__(bus, instance=instance, role="frontend",
@@ -71,7 +74,8 @@ class FrontendActor(Actor):
         self._children: tuple[float, dict[str, dict[str, Any]]] = (0.0, {})
         self._last_ready: bool | None = None
         self._confirmer: InstanceConfirmer | None = None
-        self.metrics = FrontendMetrics(observations=Observations(self.instance, self.model or None))
+        self.metrics = FrontendMetrics(observations=Observations(self.instance, self.model or None),
+                                       extra=extra_metrics)
         self._observer: asyncio.Task[None] | None = None
         self._router: Router | None = None
         self.app: FrontendApp | None = None

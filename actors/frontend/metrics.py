@@ -3,6 +3,8 @@ the planner's per-window observations (``observations.Observations``), which tra
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -16,7 +18,11 @@ _TOK = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 class FrontendMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, prefix: str = "frontend", observations: Observations | None = None) -> None:
+    def __init__(self, prefix: str = "frontend", observations: Observations | None = None,
+                 extra: Sequence[CollectorRegistry] = ()) -> None:
+        """``extra``: registries of other actors of this process that /metrics serves too (the
+        planner's, when it runs beside the frontend)."""
+        self.extra = tuple(extra)
         # per engine request (one choice of n), for the planner; the histograms below are per HTTP
         # request and take TTFT from the same start (the pipeline's t0)
         self.observations = observations if observations is not None else Observations()
@@ -62,4 +68,4 @@ class FrontendMetrics:
 
     def render(self) -> bytes:
         # plus the default registry: the process and Python collectors prometheus_client puts there
-        return generate_latest(self.registry) + generate_latest(REGISTRY)
+        return b"".join(generate_latest(r) for r in (self.registry, *self.extra, REGISTRY))

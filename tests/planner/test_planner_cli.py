@@ -28,7 +28,7 @@ import msgspec
 import nats
 
 from actors.planner.contract import DecodePoint, PrefillPoint, Profile
-from tests.e2e.conftest import PY, ROOT, Deployment, post
+from tests.e2e.conftest import PY, ROOT, Deployment, http_text, post
 
 # one engine: 300 prompt tokens/s within TTFT, 60 generated tokens/s within ITL (any context)
 PREFILL_RATE = 300.0
@@ -160,6 +160,9 @@ def test_throughput_mode_scales_each_pool_up_and_back_without_failing_a_request(
         decisions = asyncio.run(nats_json(d.bus_url, f"{d.namespace}.planner.decisions", {"limit": 50}))
         ups = [p for dec in decisions["decisions"] for p in dec["pools"] if p["target"] > p["current"]]
         assert ups and all("rate" in p["reason"] or "req" in p["reason"] for p in ups), ups
+        metrics = http_text(f"{d.url}/metrics")  # the planner's series beside the frontend's
+        assert 'planner_replicas{kind="target",pool="decode"}' in metrics
+        assert 'planner_scale_actions_total{kind="spawn",outcome="ok",pool="decode"}' in metrics
         traffic.set_rate(0.3)  # requests keep arriving while replicas drain and stop
         d.wait_until(lambda: counts(d) == {"prefill": 1, "decode": 1}, 60, "scaled back to 1 + 1")
         status = asyncio.run(nats_json(d.bus_url, f"{d.namespace}.planner.status"))
