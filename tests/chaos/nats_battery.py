@@ -19,6 +19,7 @@ from typing import Any, Union, get_args, get_origin
 import msgspec
 
 from actors.kv.contract import KvDumpRequest, KvRangeRequest, RouterKvEvent
+from actors.planner.contract import DecisionsRequest, ProfileRequest
 from actors.router.service import DumpRequest, FinishRequest, RouteRequest
 from actors.worker import contract as C
 from bus import codec
@@ -86,6 +87,9 @@ VERBS: dict[tuple[str, str], Verb] = {
     ("frontend", "finish"): Verb(FinishRequest, mutating=True, allow_empty=False),
     ("frontend", "index_stats"): _ANY,
     ("frontend", "index_dump"): Verb(DumpRequest),
+    ("planner", "status"): _ANY,
+    ("planner", "decisions"): Verb(DecisionsRequest),
+    ("planner", "profile"): Verb(ProfileRequest),
 }
 SRV_VERB = _ANY  # $SRV.PING|INFO|STATS.<name>.<id>: the payload is ignored
 # Published, never requested (no reply by design). A valid event or load report for a made-up

@@ -34,8 +34,10 @@ CASES = [
       "engine.health", "engine.stats", "engine.lora_add", "engine.lora_remove", "engine.lora_list",
       "engine.kv_sources", "engine.cancel", "lora.lora_load", "lora.lora_unload", "lora.lora_list",
       "health.liveness", "kv_publisher.kv_dump", "kv_publisher.kv_range", "frontend.status"}),
-    ("kv", ["frontend.router=kv"],
-     {"frontend.route", "frontend.finish", "frontend.index_stats", "frontend.index_dump", "engine.generate"}),
+    # the planner too (load mode: no profile needed), so its verbs are fuzzed beside the router's
+    ("kv", ["frontend.router=kv", "planner.enabled=true", "planner.mode=load", "planner.interval=1"],
+     {"frontend.route", "frontend.finish", "frontend.index_stats", "frontend.index_dump", "engine.generate",
+      "planner.status", "planner.decisions", "planner.profile"}),
 ]
 
 
