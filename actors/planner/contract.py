@@ -98,6 +98,18 @@ class FrontendWindow(msgspec.Struct, kw_only=True):
     ttft: Histogram = msgspec.field(default_factory=lambda: Histogram.empty(TTFT_BOUNDS_MS))
     itl: Histogram = msgspec.field(default_factory=lambda: Histogram.empty(ITL_BOUNDS_MS))
 
+    def add(self, w: FrontendWindow) -> None:
+        """Add another window's counts (windows of several frontends, or of several intervals)."""
+        self.start, self.end = min(self.start, w.start), max(self.end, w.end)
+        self.requests += w.requests
+        self.finished += w.finished
+        self.failed += w.failed
+        self.isl_tokens += w.isl_tokens
+        self.osl_tokens += w.osl_tokens
+        self.cached_tokens += w.cached_tokens
+        self.ttft.merge(w.ttft)
+        self.itl.merge(w.itl)
+
 
 # --- decisions -------------------------------------------------------------------------------------
 class Observed(msgspec.Struct, kw_only=True, omit_defaults=True):

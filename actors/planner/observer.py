@@ -11,16 +11,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from actors.engines.protocol import StepSample
-from actors.planner.contract import (
-    ITL_BOUNDS_MS,
-    TTFT_BOUNDS_MS,
-    FrontendWindow,
-    Histogram,
-    Observed,
-)
+from actors.planner.contract import FrontendWindow, Observed
 from actors.worker.contract import LoadReport
 
 # a load report older than this is a worker that stopped reporting (gone, or its bus is)
@@ -29,44 +22,26 @@ REPORT_STALE_S = 10.0
 STEP_WINDOW = 8192
 
 
-@dataclass
-class Totals:
-    """Sums over some windows."""
+def observed(t: FrontendWindow, seconds: float) -> Observed:
+    """What the windows summed in ``t`` say about an interval of ``seconds``."""
+    return Observed(
+        request_rate=t.requests / seconds if seconds > 0 else 0.0,
+        isl=t.isl_tokens / t.finished if t.finished else None,
+        osl=t.osl_tokens / t.finished if t.finished else None,
+        kv_hit_rate=t.cached_tokens / t.isl_tokens if t.isl_tokens else None,
+        ttft_ms=t.ttft.mean(), itl_ms=t.itl.mean(),
+        ttft_p90_ms=t.ttft.quantile(0.9), itl_p90_ms=t.itl.quantile(0.9))
 
-    requests: int = 0
-    finished: int = 0
-    failed: int = 0
-    isl_tokens: int = 0
-    osl_tokens: int = 0
-    cached_tokens: int = 0
-    ttft: Histogram = field(default_factory=lambda: Histogram.empty(TTFT_BOUNDS_MS))
-    itl: Histogram = field(default_factory=lambda: Histogram.empty(ITL_BOUNDS_MS))
 
-    def add(self, w: FrontendWindow) -> None:
-        self.requests += w.requests
-        self.finished += w.finished
-        self.failed += w.failed
-        self.isl_tokens += w.isl_tokens
-        self.osl_tokens += w.osl_tokens
-        self.cached_tokens += w.cached_tokens
-        self.ttft.merge(w.ttft)
-        self.itl.merge(w.itl)
-
-    def observed(self, seconds: float) -> Observed:
-        return Observed(
-            request_rate=self.requests / seconds if seconds > 0 else 0.0,
-            isl=self.isl_tokens / self.finished if self.finished else None,
-            osl=self.osl_tokens / self.finished if self.finished else None,
-            kv_hit_rate=self.cached_tokens / self.isl_tokens if self.isl_tokens else None,
-            ttft_ms=self.ttft.mean(), itl_ms=self.itl.mean(),
-            ttft_p90_ms=self.ttft.quantile(0.9), itl_p90_ms=self.itl.quantile(0.9))
+def _totals(now: float) -> FrontendWindow:
+    return FrontendWindow(instance="", start=now, end=now)
 
 
 class Observer:
     def __init__(self, model: str | None = None) -> None:
         self.model = model  # windows of other models are not this deployment's demand
-        self._totals = Totals()
         self._since = time.time()
+        self._totals = _totals(self._since)
         self._reports: dict[tuple[str, int], tuple[float, LoadReport]] = {}
         self.steps: dict[str, deque[StepSample]] = {}  # pool -> step samples not yet fitted
         self._busy_ms: dict[str, float] = {}  # instance -> step time since the last take_busy
@@ -96,8 +71,8 @@ class Observer:
     # --- outputs ---------------------------------------------------------------------------------
     def take_interval(self, now: float | None = None) -> Observed:
         now = now if now is not None else time.time()
-        obs = self._totals.observed(now - self._since)
-        self._totals, self._since = Totals(), now
+        obs = observed(self._totals, now - self._since)
+        self._totals, self._since = _totals(now), now
         return obs
 
     def take_busy(self, now: float | None = None) -> dict[str, float]:

@@ -148,14 +148,7 @@ async def windows(bus: BusContext) -> AsyncIterator[list[FrontendWindow]]:
 def total(ws: list[FrontendWindow]) -> FrontendWindow:
     out = FrontendWindow(instance=ws[0].instance, start=ws[0].start, end=ws[-1].end)
     for w in ws:
-        out.requests += w.requests
-        out.finished += w.finished
-        out.failed += w.failed
-        out.isl_tokens += w.isl_tokens
-        out.osl_tokens += w.osl_tokens
-        out.cached_tokens += w.cached_tokens
-        out.ttft.merge(w.ttft)
-        out.itl.merge(w.itl)
+        out.add(w)
     return out
 
 

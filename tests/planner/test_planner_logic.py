@@ -1,0 +1,160 @@
+"""The planner's decision logic without NATS: actions, backoff, pending changes, no-op mode, and the
+observer's intervals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from actors.engines.protocol import StepSample
+from actors.planner.constraints import PoolLimits
+from actors.planner.contract import Action, FrontendWindow, Observed, PrefillPoint, Profile
+from actors.planner.observer import Observer
+from actors.planner.planner import Planner, PoolState, PoolView, replica_of
+from actors.worker.contract import LoadReport
+from config.topology import PlannerConfig
+
+
+def child(pool: str, i: int, state: str = "running") -> dict[str, Any]:
+    return {"id": f"worker-{pool}-{i}", "state": state, "meta": {"pool": pool, "replica": str(i)}}
+
+
+def prefill_profile(path: Path, rate: float = 1000.0) -> Path:
+    p = Profile(pool="prefill", role="prefill", engine="mocker", model="m", made_by="test", made_at=0.0,
+                kv_capacity_tokens=1 << 20, max_num_seqs=256,
+                prefill=[PrefillPoint(isl=isl, concurrency=1, ttft_ms=isl / rate * 1000, tokens_per_s=rate)
+                         for isl in (100, 1000, 10000)])
+    path.write_bytes(msgspec.json.encode(p))
+    return path
+
+
+def planner(tmp_path: Path, **cfg: Any) -> Planner:
+    config = PlannerConfig(enabled=True, interval=1.0, budget=6, **cfg)
+    st = PoolState(limits=PoolLimits("prefill", "local", 1, None, 1, True), role="prefill", engine="mocker",
+                   profile_path=prefill_profile(tmp_path / "prefill.json"))
+    st.load_model()
+    assert st.model is not None, st.profile_error
+    return Planner(config, {"prefill": st})
+
+
+def view(n: int, **kw: Any) -> dict[str, PoolView]:
+    return {"prefill": PoolView("prefill", "prefill", "local", "mocker",
+                                children=[child("prefill", i) for i in range(n)], **kw)}
+
+
+def demand(rate: float, isl: float = 500.0) -> Observed:
+    return Observed(request_rate=rate, isl=isl, osl=10.0, kv_hit_rate=0.0)
+
+
+def test_throughput_decision_spawns_the_lowest_free_replicas(tmp_path: Path) -> None:
+    p = planner(tmp_path)
+    # 5 req/s x 500 tokens over 1000 tokens/s per engine: 3 engines; replica 1 is taken by a
+    # child an operator spawned, so the new ones are 2 and 3
+    views = {"prefill": PoolView("prefill", "prefill", "local", "mocker",
+                                 children=[child("prefill", 0), child("prefill", 1)])}
+    d = p.decide(views, demand(5.0), {}, now=100.0)
+    pool = d.pools[0]
+    assert (pool.current, pool.desired, pool.target) == (2, 3, 3)
+    assert "5.00 req/s" in pool.reason and "2500 prompt tok/s" in pool.reason
+    assert [(a.kind, a.child) for a in d.actions] == [("spawn", "worker-prefill-2")]
+    # budget 6 and no demand: back to the minimum, the newest stopped first, a starting one before it
+    views = {"prefill": PoolView("prefill", "prefill", "local", "mocker",
+                                 children=[child("prefill", 0), child("prefill", 3), child("prefill", 1, "starting"),
+                                           child("prefill", 2)])}
+    d = p.decide(views, Observed(request_rate=0.0), {}, now=101.0)
+    assert d.pools[0].target == 1 and d.pools[0].constraint == "min_replicas 1"
+    assert [a.child for a in d.actions] == ["worker-prefill-1", "worker-prefill-3", "worker-prefill-2"]
+
+
+def test_budget_and_max_replicas_bound_the_target(tmp_path: Path) -> None:
+    p = planner(tmp_path)
+    d = p.decide(view(1), demand(50.0), {}, now=1.0)  # 25 engines wanted, 6 in the budget
+    assert d.pools[0].desired == 25 and d.pools[0].target == 6 and "budget" in (d.pools[0].constraint or "")
+    p.pools["prefill"].limits.max_replicas = 2
+    assert p.decide(view(1), demand(50.0), {}, now=2.0).pools[0].target == 2
+
+
+def test_a_failed_start_backs_the_pool_off_and_a_good_one_resets_it(tmp_path: Path) -> None:
+    p = planner(tmp_path, start_backoff={"initial": 10.0, "max": 40.0, "multiplier": 2.0, "jitter": 0.0})
+    d = p.decide(view(1), demand(5.0), {}, now=0.0)
+    assert [a.kind for a in d.actions] == ["spawn", "spawn"]
+    failed = Action(kind="spawn", pool="prefill", child="worker-prefill-1", host="local", outcome="failed",
+                    error="exited with code 1")
+    p.outcome(failed, now=0.0)
+    held = p.decide(view(1), demand(5.0), {}, now=5.0)
+    assert held.pools[0].target == 1 and held.actions == []
+    assert (held.pools[0].constraint or "").startswith("start backoff after 1 failed start(s)")
+    assert p.decide(view(1), demand(5.0), {}, now=11.0).actions  # the backoff has passed
+    p.outcome(failed, now=11.0)  # a second failure doubles it: until 31
+    assert not p.decide(view(1), demand(5.0), {}, now=30.0).actions
+    p.outcome(msgspec.structs.replace(failed, outcome="ok"), now=31.0)
+    assert p.pools["prefill"].failures == 0
+    # shrinking is never held back by a failed start
+    p.outcome(failed, now=40.0)
+    assert [a.kind for a in p.decide(view(4), demand(1.0), {}, now=41.0).actions] == ["stop", "stop", "stop"]
+
+
+def test_a_pool_with_a_change_in_progress_is_left_alone(tmp_path: Path) -> None:
+    p = planner(tmp_path)
+    p.pools["prefill"].pending = "spawn worker-prefill-1"
+    d = p.decide(view(1), demand(5.0), {}, now=0.0)
+    assert d.actions == [] and d.pools[0].constraint == "change in progress: spawn worker-prefill-1"
+
+
+def test_no_op_mode_decides_the_same(tmp_path: Path) -> None:
+    acting, noop = planner(tmp_path), planner(tmp_path, no_op=True)
+    for rate in (1.0, 5.0, 9.0, 0.0):
+        a = acting.decide(view(2), demand(rate), {}, now=rate)
+        b = noop.decide(view(2), demand(rate), {}, now=rate)
+        assert b.no_op and not a.no_op
+        assert msgspec.to_builtins(a.pools) == msgspec.to_builtins(b.pools)
+        assert msgspec.to_builtins(a.actions) == msgspec.to_builtins(b.actions)
+
+
+def test_unknown_counts_and_missing_profiles_keep_the_replicas(tmp_path: Path) -> None:
+    p = planner(tmp_path)
+    d = p.decide(view(2, known=False), demand(9.0), {}, now=0.0)
+    assert d.pools[0].target == 2 and d.actions == [] and "did not answer" in d.pools[0].reason
+    p.pools["prefill"].profile_path = tmp_path / "missing.json"
+    p.pools["prefill"].load_model()
+    d = p.decide(view(2), demand(9.0), {}, now=1.0)
+    assert d.pools[0].target == 2 and "no profile" in d.pools[0].reason and "missing.json" in d.pools[0].reason
+
+
+def test_replica_of() -> None:
+    assert replica_of("worker-prefill-12", "prefill") == 12
+    assert replica_of("worker-prefill-x", "prefill") is None
+    assert replica_of("worker-pre-fill-1", "prefill") is None
+
+
+def test_observer_sums_windows_into_an_interval() -> None:
+    obs = Observer(model="m")
+    obs.take_interval(now=100.0)
+    for i in range(4):
+        w = FrontendWindow(instance=f"fe{i % 2}", model="m", start=100.0 + i, end=101.0 + i, requests=5,
+                           finished=4, isl_tokens=4000, osl_tokens=400, cached_tokens=1000)
+        for ms in (90.0, 110.0):
+            w.ttft.observe(ms)
+        w.itl.observe(20.0)
+        obs.add_window(w)
+    obs.add_window(FrontendWindow(instance="x", model="other", start=100, end=101, requests=99))
+    o = obs.take_interval(now=110.0)
+    assert o.request_rate == 2.0 and o.isl == 1000.0 and o.osl == 100.0 and o.kv_hit_rate == 0.25
+    assert o.ttft_ms == 100.0 and o.itl_ms == 20.0
+    assert obs.take_interval(now=111.0).request_rate == 0.0
+
+
+def test_observer_keeps_fresh_reports_and_hands_steps_over_once() -> None:
+    obs = Observer()
+    obs.take_busy(now=0.0)
+    steps = [StepSample(prefill_tokens=100, decode_requests=0, kv_tokens=0, elapsed_ms=250.0)] * 2
+    obs.add_load(LoadReport(instance="a", num_running=1, num_waiting=2, kv_usage=0.1, active_kv_blocks=3,
+                            total_kv_blocks=30, steps=steps), "prefill", now=0.0)
+    assert [r.instance for r in obs.reports({"a"}, now=5.0)] == ["a"]
+    assert obs.reports({"a"}, now=60.0) == []  # stale: the worker stopped reporting
+    assert obs.take_busy(now=1.0) == {"a": 0.5}
+    assert len(obs.take_steps("prefill")) == 2 and obs.take_steps("prefill") == []
+    obs.forget("a")
+    assert obs.reports({"a"}, now=1.0) == []
