@@ -115,6 +115,7 @@ class FrontendWindow(msgspec.Struct, kw_only=True):
 class Observed(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What the planner saw over its last interval (None: nothing to see, e.g. no traffic)."""
 
+    windows: int = 0  # frontend windows the interval was made of (0: no frontend reported at all)
     request_rate: float = 0.0  # engine requests per second
     isl: float | None = None  # mean prompt tokens
     osl: float | None = None  # mean generated tokens

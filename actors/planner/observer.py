@@ -22,9 +22,10 @@ REPORT_STALE_S = 10.0
 STEP_WINDOW = 8192
 
 
-def observed(t: FrontendWindow, seconds: float) -> Observed:
-    """What the windows summed in ``t`` say about an interval of ``seconds``."""
+def observed(t: FrontendWindow, seconds: float, windows: int) -> Observed:
+    """What the ``windows`` summed in ``t`` say about an interval of ``seconds``."""
     return Observed(
+        windows=windows,
         request_rate=t.requests / seconds if seconds > 0 else 0.0,
         isl=t.isl_tokens / t.finished if t.finished else None,
         osl=t.osl_tokens / t.finished if t.finished else None,
@@ -42,6 +43,7 @@ class Observer:
         self.model = model  # windows of other models are not this deployment's demand
         self._since = time.time()
         self._totals = _totals(self._since)
+        self._windows = 0
         self._reports: dict[tuple[str, int], tuple[float, LoadReport]] = {}
         self.steps: dict[str, deque[StepSample]] = {}  # pool -> step samples not yet fitted
         self._busy_ms: dict[str, float] = {}  # instance -> step time since the last take_busy
@@ -54,6 +56,7 @@ class Observer:
             return
         self._totals.add(w)
         self.windows_seen += 1
+        self._windows += 1
 
     def add_load(self, report: LoadReport, pool: str | None, now: float | None = None) -> None:
         self._reports[(report.instance, report.dp_rank)] = (now if now is not None else time.monotonic(), report)
@@ -71,8 +74,8 @@ class Observer:
     # --- outputs ---------------------------------------------------------------------------------
     def take_interval(self, now: float | None = None) -> Observed:
         now = now if now is not None else time.time()
-        obs = observed(self._totals, now - self._since)
-        self._totals, self._since = _totals(now), now
+        obs = observed(self._totals, now - self._since, self._windows)
+        self._totals, self._since, self._windows = _totals(now), now, 0
         return obs
 
     def take_busy(self, now: float | None = None) -> dict[str, float]:

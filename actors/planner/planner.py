@@ -125,7 +125,7 @@ class Planner:
             elif not view.known:
                 desired[name], reasons[name] = view.current, f"root {view.host} did not answer: counts unknown"
             elif self.cfg.mode == "throughput":
-                desired[name], reasons[name] = self._throughput(st, view, predicted)
+                desired[name], reasons[name] = self._throughput(st, view, predicted, observed.windows)
             else:
                 desired[name], reasons[name] = self._load(st, view, loads.get(name, []))
         constrained = constrain(desired, current, {n: s.limits for n, s in self.pools.items() if n in views},
@@ -167,11 +167,16 @@ class Planner:
         return Observed(request_rate=out["request_rate"] or 0.0, isl=out["isl"], osl=out["osl"],
                         kv_hit_rate=None if hit is None else min(1.0, max(0.0, hit)))
 
-    def _throughput(self, st: PoolState, view: PoolView, predicted: Observed | None) -> tuple[int, str]:
+    def _throughput(self, st: PoolState, view: PoolView, predicted: Observed | None,
+                    observed_windows: int) -> tuple[int, str]:
         if st.model is None:
             return view.current, (f"no profile ({st.profile_error or 'none configured'}): run "
                                   f"python -m actors.planner.profile TOPOLOGY --pool {view.name}")
         assert predicted is not None
+        if observed_windows == 0:
+            # silence is not zero traffic: with no frontend reporting (frontend.observe_interval = 0,
+            # the bus down) shrinking everything to the minimum would be a guess
+            return view.current, "no frontend window this interval: demand unknown"
         if predicted.request_rate <= 0:
             return 0, "no requests predicted"
         if predicted.isl is None or predicted.osl is None:

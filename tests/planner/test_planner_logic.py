@@ -45,7 +45,7 @@ def view(n: int, **kw: Any) -> dict[str, PoolView]:
 
 
 def demand(rate: float, isl: float = 500.0) -> Observed:
-    return Observed(request_rate=rate, isl=isl, osl=10.0, kv_hit_rate=0.0)
+    return Observed(windows=2, request_rate=rate, isl=isl, osl=10.0, kv_hit_rate=0.0)
 
 
 def test_throughput_decision_spawns_the_lowest_free_replicas(tmp_path: Path) -> None:
@@ -63,7 +63,7 @@ def test_throughput_decision_spawns_the_lowest_free_replicas(tmp_path: Path) -> 
     views = {"prefill": PoolView("prefill", "prefill", "local", "mocker",
                                  children=[child("prefill", 0), child("prefill", 3), child("prefill", 1, "starting"),
                                            child("prefill", 2)])}
-    d = p.decide(views, Observed(request_rate=0.0), {}, now=101.0)
+    d = p.decide(views, Observed(windows=2, request_rate=0.0), {}, now=101.0)
     assert d.pools[0].target == 1 and d.pools[0].constraint == "min_replicas 1"
     assert [a.child for a in d.actions] == ["worker-prefill-1", "worker-prefill-3", "worker-prefill-2"]
 
@@ -123,6 +123,12 @@ def test_unknown_counts_and_missing_profiles_keep_the_replicas(tmp_path: Path) -
     assert d.pools[0].target == 2 and "no profile" in d.pools[0].reason and "missing.json" in d.pools[0].reason
 
 
+def test_an_interval_without_frontend_windows_holds(tmp_path: Path) -> None:
+    """No window at all is not zero traffic (observe_interval 0, the bus down): nothing shrinks."""
+    d = planner(tmp_path).decide(view(3), Observed(windows=0), {}, now=0.0)
+    assert d.pools[0].target == 3 and d.actions == [] and "no frontend window" in d.pools[0].reason
+
+
 def test_replica_of() -> None:
     assert replica_of("worker-prefill-12", "prefill") == 12
     assert replica_of("worker-prefill-x", "prefill") is None
@@ -141,7 +147,7 @@ def test_observer_sums_windows_into_an_interval() -> None:
         obs.add_window(w)
     obs.add_window(FrontendWindow(instance="x", model="other", start=100, end=101, requests=99))
     o = obs.take_interval(now=110.0)
-    assert o.request_rate == 2.0 and o.isl == 1000.0 and o.osl == 100.0 and o.kv_hit_rate == 0.25
+    assert o.windows == 4 and o.request_rate == 2.0 and o.isl == 1000.0 and o.osl == 100.0 and o.kv_hit_rate == 0.25
     assert o.ttft_ms == 100.0 and o.itl_ms == 20.0
     assert obs.take_interval(now=111.0).request_rate == 0.0
 
