@@ -193,7 +193,7 @@ async def test_prompt_embeds_equal_token_prompt(agg_engine) -> None:
 async def test_step_samples_from_iteration_details(agg_engine) -> None:
     """Each engine step reaches take_steps() as a StepSample (vLLM's iteration details)."""
     agg_engine.take_steps()  # what the tests before left
-    prompt = prompt_ids(9, 70)  # 70 tokens no other test sends: nothing cached
+    prompt = prompt_ids(9173, 70)  # a seed no other test uses: nothing cached
     outs = await collect(agg_engine, TokensPrompt(prompt), greedy(6), "steps-1")
     assert outs[-1].cached_tokens == 0
     steps = []

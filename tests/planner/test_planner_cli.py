@@ -116,6 +116,14 @@ async def nats_json(url: str, subject: str, body: dict[str, Any] | None = None) 
         await nc.close()
 
 
+def newest_decisions(d: Deployment, limit: int) -> list[dict[str, Any]]:
+    """The planner's newest decisions; none while no planner answers (one starting up)."""
+    try:
+        return asyncio.run(nats_json(d.bus_url, f"{d.namespace}.planner.decisions", {"limit": limit}))["decisions"]
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        return []
+
+
 def pool_children(d: Deployment, host: str = "local") -> dict[str, list[str]]:
     """Replicas per pool the root runs (its children view, as ``nats req ... children``)."""
     view = asyncio.run(nats_json(d.bus_url, f"{d.namespace}.supervisor.{host}.children"))
@@ -257,8 +265,7 @@ def test_a_restarted_planner_resumes_from_the_real_replica_counts(tmp_path: Path
             first.wait(10)
         second = start_planner(tmp_path / "planner2.log")
         try:
-            got = d.wait_until(lambda: asyncio.run(nats_json(
-                d.bus_url, f"{d.namespace}.planner.decisions", {"limit": 1}))["decisions"], 30, "a new decision")
+            got = d.wait_until(lambda: newest_decisions(d, 1), 60, "a decision of the restarted planner")
             first_decision = got[0]
             assert first_decision["seq"] == 1  # the new planner's own first decision
             assert {p["pool"]: p["current"] for p in first_decision["pools"]} == scaled
