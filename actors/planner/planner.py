@@ -31,7 +31,7 @@ from actors.planner.contract import Action, Decision, Observed, PoolDecision, Po
 from actors.planner.load_model import EngineLoad, StepRegression, decide
 from actors.planner.perf_model import PerfModel, ProfileError, load_profile
 from actors.planner.predictors import Predictor, make_predictor
-from actors.planner.throughput import Demand, desired_replicas
+from actors.planner.throughput import Demand, needed_engines, replicas_for
 from bus.backoff import Backoff
 from config.topology import PlannerConfig
 from config.workers import MAX_REPLICA, worker_child_id
@@ -127,7 +127,7 @@ class Planner:
             elif self.cfg.mode == "throughput":
                 desired[name], reasons[name] = self._throughput(st, view, predicted, observed.windows)
             else:
-                desired[name], reasons[name] = self._load(st, view, loads.get(name, []))
+                desired[name], reasons[name] = self._load(st, view, loads.get(name, []), observed)
         constrained = constrain(desired, current, {n: s.limits for n, s in self.pools.items() if n in views},
                                 self.cfg.budget, self.cfg.host_budget)
         decision = Decision(seq=self.seq, ts=now, mode=self.cfg.mode, no_op=self.cfg.no_op,
@@ -183,15 +183,44 @@ class Planner:
             return view.current, "no finished request observed yet: ISL/OSL unknown"
         demand = Demand(request_rate=predicted.request_rate, isl=predicted.isl, osl=predicted.osl,
                         kv_hit_rate=predicted.kv_hit_rate or 0.0)
-        return desired_replicas(view.role, demand, st.model, self.cfg.ttft_target_ms,  # type: ignore[arg-type]
-                                self.cfg.itl_target_ms)
+        engines, why = needed_engines(view.role, demand, st.model, self.cfg.ttft_target_ms,  # type: ignore[arg-type]
+                                      self.cfg.itl_target_ms)
+        n = replicas_for(engines)
+        if n < view.current:
+            # shrink only as far as the demand fills the smaller pool to `sensitivity`: a demand
+            # near a whole number of engines (1.02, 0.98, ...) would otherwise flip the pool every
+            # interval, and an engine run at the edge of its on-target rate misses the target
+            held = min(view.current, replicas_for(engines / self.cfg.sensitivity))
+            if held > n:
+                return held, f"{why}; shrinking keeps {held} (at most {self.cfg.sensitivity:.0%} busy)"
+        return n, why
 
-    def _load(self, st: PoolState, view: PoolView, engines: list[EngineLoad]) -> tuple[int, str]:
+    def _load(self, st: PoolState, view: PoolView, engines: list[EngineLoad],
+              observed: Observed) -> tuple[int, str]:
         if st.pending is not None:
             return view.current, f"change in progress: {st.pending}"
         delta, why = decide(view.role, engines, st.regression, self.last_isl or 0.0,  # type: ignore[arg-type]
                             self.cfg.ttft_target_ms, self.cfg.itl_target_ms, self.cfg.sensitivity)
+        delta, why = self._achieved(view.role, delta, why, observed)
         return max(0, view.current + delta), why
+
+    def _achieved(self, role: str, delta: int, why: str, observed: Observed) -> tuple[int, str]:
+        """The latency clients actually got over the interval overrules the simulation: a mean over
+        target grows the pool even when not every engine looks over (a router's uneven share, a
+        queue between two snapshots), and one not under target x sensitivity holds a shrink. TTFT
+        speaks for prefill pools, ITL for decode pools, both for agg."""
+        got = []
+        if role in ("prefill", "agg") and observed.ttft_ms is not None:
+            got.append(("TTFT", observed.ttft_ms, self.cfg.ttft_target_ms))
+        if role in ("decode", "agg") and observed.itl_ms is not None:
+            got.append(("ITL", observed.itl_ms, self.cfg.itl_target_ms))
+        over = [f"observed mean {k} {v:.0f} ms over target {t:g}" for k, v, t in got if v > t]
+        if over and delta <= 0:
+            return 1, f"{why}; but {', '.join(over)}: +1"
+        warm = [f"observed mean {k} {v:.0f} ms" for k, v, t in got if v >= t * self.cfg.sensitivity]
+        if warm and delta < 0:
+            return 0, f"{why}; but {', '.join(warm)} not under target x {self.cfg.sensitivity:g}: hold"
+        return delta, why
 
     def _actions(self, view: PoolView, target: int) -> list[Action]:
         if target > view.current:

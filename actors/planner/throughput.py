@@ -46,7 +46,7 @@ def _check(demand: Demand) -> None:
             raise ValueError(f"demand {name} is {getattr(demand, name)}")
 
 
-def _replicas(engines: float) -> int:
+def replicas_for(engines: float) -> int:
     # 1e-9: 2.0000000001 engines of float noise is 2, not 3
     return max(0, math.ceil(engines - 1e-9))
 
@@ -54,18 +54,25 @@ def _replicas(engines: float) -> int:
 def desired_replicas(role: PoolRole, demand: Demand, model: PerfModel, ttft_target_ms: float,
                      itl_target_ms: float) -> tuple[int, str]:
     """Replicas of a ``role`` pool the demand needs, and why in words (numbers included)."""
+    engines, why = needed_engines(role, demand, model, ttft_target_ms, itl_target_ms)
+    return replicas_for(engines), why
+
+
+def needed_engines(role: PoolRole, demand: Demand, model: PerfModel, ttft_target_ms: float,
+                   itl_target_ms: float) -> tuple[float, str]:
+    """Engines (fractional) a ``role`` pool's demand keeps busy at the profile's on-target rates."""
     _check(demand)
     rate = max(0.0, demand.request_rate)
     isl, osl = max(0.0, demand.isl), max(0.0, demand.osl)
     if rate == 0.0 or (isl == 0.0 and osl == 0.0):
-        return 0, f"no demand ({rate:.2f} req/s)"
+        return 0.0, f"no demand ({rate:.2f} req/s)"
     isl_eff = max(0.0, demand.isl_eff)
     hit = f"{isl_eff:.0f} uncached prompt tokens (ISL {isl:.0f}, {100 * (1 - isl_eff / isl) if isl else 0:.0f}% cached)"
     if role == "prefill":
         est = model.prefill_estimate(isl_eff, ttft_target_ms)
         need = rate * isl_eff
         engines = need / est.rate
-        return _replicas(engines), (
+        return engines, (
             f"prefill: {rate:.2f} req/s x {hit} = {need:.0f} prompt tok/s; "
             f"{est.describe('TTFT')} -> {engines:.2f} engines")
     if role == "decode":
@@ -73,7 +80,7 @@ def desired_replicas(role: PoolRole, demand: Demand, model: PerfModel, ttft_targ
         est = model.decode_estimate(context, itl_target_ms)
         need = rate * osl
         engines = need / est.rate
-        return _replicas(engines), (
+        return engines, (
             f"decode: {rate:.2f} req/s x OSL {osl:.0f} = {need:.0f} gen tok/s at context {context:.0f}; "
             f"{est.describe('ITL')} -> {engines:.2f} engines")
     if role == "agg":
@@ -81,7 +88,7 @@ def desired_replicas(role: PoolRole, demand: Demand, model: PerfModel, ttft_targ
         dec = model.decode_estimate(isl + osl / 2, itl_target_ms)
         per_request_s = isl_eff / pre.rate + osl / dec.rate
         engines = rate * per_request_s
-        return _replicas(engines), (
+        return engines, (
             f"agg: {rate:.2f} req/s x ({hit} / {pre.rate:.0f} prefill tok/s + OSL {osl:.0f} / "
             f"{dec.rate:.0f} decode tok/s = {per_request_s * 1000:.1f} engine-ms per request) -> "
             f"{engines:.2f} engines; prefill {pre.describe('TTFT')}; decode {dec.describe('ITL')}")

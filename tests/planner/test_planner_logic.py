@@ -164,3 +164,31 @@ def test_observer_keeps_fresh_reports_and_hands_steps_over_once() -> None:
     assert len(obs.take_steps("prefill")) == 2 and obs.take_steps("prefill") == []
     obs.forget("a")
     assert obs.reports({"a"}, now=1.0) == []
+
+
+def test_throughput_mode_shrinks_only_to_a_count_the_demand_fills_to_sensitivity(tmp_path: Path) -> None:
+    p = planner(tmp_path)  # 1000 prompt tokens/s per engine, sensitivity 0.7
+    # 1.0 engines of demand: growing from 1 gives 1, but a pool of 2 keeps 2 (1.0 / 0.7 = 1.4)
+    d = p.decide(view(2), demand(2.0), {}, now=0.0)
+    assert d.pools[0].target == 2 and "shrinking keeps 2" in d.pools[0].reason
+    assert p.decide(view(2), demand(1.2), {}, now=1.0).pools[0].target == 1  # 0.6 / 0.7 < 1
+    assert p.decide(view(1), demand(2.2), {}, now=2.0).pools[0].target == 2  # growing: plain ceil
+
+
+def test_load_mode_heeds_the_latency_clients_got(tmp_path: Path) -> None:
+    from actors.planner.load_model import EngineLoad
+
+    p = planner(tmp_path, mode="load")
+    reg = p.pools["prefill"].regression
+    reg.fit([StepSample(prefill_tokens=t, decode_requests=0, kv_tokens=0, elapsed_ms=5 + 0.02 * t)
+             for t in range(100, 2100, 100)])
+    idle = {"prefill": [EngineLoad(f"e{i}", 0, 0, 0, 0) for i in range(2)]}
+
+    def got(ttft: float | None) -> Observed:
+        return Observed(windows=2, request_rate=1.0, isl=1000.0, osl=10.0, ttft_ms=ttft)
+
+    assert p.decide(view(2), got(100.0), idle, now=0.0).pools[0].target == 1  # idle and fast: shrink
+    held = p.decide(view(2), got(400.0), idle, now=1.0).pools[0]  # 400 is not under 500 x 0.7
+    assert held.target == 2 and "observed mean TTFT 400 ms not under target x 0.7: hold" in held.reason
+    grown = p.decide(view(2), got(650.0), idle, now=2.0).pools[0]
+    assert grown.target == 3 and "observed mean TTFT 650 ms over target 500: +1" in grown.reason
