@@ -698,7 +698,7 @@ def main() -> int:
     if a.render:
         res = json.loads(a.render.read_text())
         saved = argparse.Namespace(**{**res["args"], "render": None, "write": a.write})
-        body = render(res, saved, res["command"])
+        body = render(res, saved, res.get("command", "(not recorded)"))
         print(body)
         if a.write:
             write_section(a.write, body)
