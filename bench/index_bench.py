@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.kv import hashing  # noqa: E402
 from actors.kv.contract import RouterKvEvent, StoredBlock  # noqa: E402
 from actors.router.index import KvIndex  # noqa: E402
+from bench.docs_section import write_section  # noqa: E402
 
 CHAIN = 16
 WORKERS = [(f"w{i}", 0) for i in range(8)]
@@ -113,19 +113,6 @@ def _table(rows: list[dict]) -> str:
     return head + body
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace (or append) the '## KV index' section only; other sections are left untouched."""
-    doc = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = "## KV index\n\n" + text.rstrip() + "\n"
-    pat = re.compile(r"^## KV index\n.*?(?=^## |\Z)", re.S | re.M)
-    if pat.search(doc):
-        doc = pat.sub(lambda _m: section + "\n", doc, count=1).rstrip() + "\n"
-    else:
-        doc = doc.rstrip() + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(doc)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="10000,100000,1000000")
@@ -150,7 +137,7 @@ def main() -> None:
         "find_matches stops at the first block no worker holds, so its cost follows the hit length, "
         "not the index size.\n")
     if args.write:
-        write_section(args.write, text)
+        write_section(args.write, "KV index", text)
         print(f"wrote {args.write}")
     else:
         print(text)

@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import pathlib
 import platform
-import re
 import sys
 import time
 
@@ -22,6 +21,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from actors.engines.mocker.engine import MockerEngine  # noqa: E402
 from actors.engines.protocol import SamplingOptions, TokensPrompt  # noqa: E402
+from bench.docs_section import write_section  # noqa: E402
 
 
 async def run(concurrency: int, prompt_len: int, max_tokens: int, block_size: int) -> dict[str, float]:
@@ -48,19 +48,6 @@ async def run(concurrency: int, prompt_len: int, max_tokens: int, block_size: in
             "tokens_per_s": tokens / dt}
 
 
-def write_section(path: pathlib.Path, body: str) -> None:
-    """Replace (or append) the '## Mocker engine' section, leaving other sections alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = "## Mocker engine\n\n" + body.rstrip() + "\n"
-    pattern = re.compile(r"^## Mocker engine\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, default=256)
@@ -82,7 +69,7 @@ def main() -> None:
                 f"{platform.python_version()}, one asyncio loop (2-core shared box; ±20 % between runs).\n"
                 "- Zero compute: no simulated delay; this is the serving-layer overhead budget of the "
                 "mocker itself (scheduler, block pool, KV-event encoding + ZMQ publish, output streams).\n")
-        write_section(a.write, body)
+        write_section(a.write, "Mocker engine", body)
 
 
 if __name__ == "__main__":

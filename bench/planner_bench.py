@@ -71,6 +71,7 @@ import nats
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.docs_section import write_section  # noqa: E402
 from bench.proc_cpu import kill_leftovers, own_cpu, tree  # noqa: E402
 from bus.subjects import Subjects  # noqa: E402
 from tests.e2e.conftest import Deployment  # noqa: E402
@@ -644,21 +645,6 @@ def acceptance(configs: dict[str, Any]) -> list[str]:
     return out
 
 
-def write_section(path: Path, body: str) -> None:
-    """Replace (or append) this benchmark's section, leaving the others alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"## {SECTION}\n\n" + body.rstrip() + "\n"
-    pattern = re.compile(rf"^## {re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    old = pattern.search(text)
-    if old and READING in old.group(0):  # the hand-written reading survives a re-run (update it!)
-        section += "\n" + READING + old.group(0).split(READING, 1)[1].rstrip() + "\n"
-    if old:
-        text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
-
-
 # --- main --------------------------------------------------------------------------------------------
 def parse_peak(text: str) -> dict[str, int]:
     out = {}
@@ -701,7 +687,7 @@ def main() -> int:
         body = render(res, saved, res.get("command", "(not recorded)"))
         print(body)
         if a.write:
-            write_section(a.write, body)
+            write_section(a.write, SECTION, body, READING)
         return 0
     a.extra = list(a.set)  # the user's own overrides (reported)
     a.set = [*a.set, f"planner.ttft_target_ms={a.ttft:g}", f"planner.itl_target_ms={a.itl:g}"]
@@ -752,7 +738,7 @@ def main() -> int:
     if a.out:
         a.out.write_text(json.dumps(res, indent=1, default=str))
     if a.write:
-        write_section(a.write, body)
+        write_section(a.write, SECTION, body, READING)
     return 0 if all(s["exit_code"] == 0 for s in res["configs"].values()) else 1
 
 

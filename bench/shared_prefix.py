@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from actors.kv.hashing import sequence_hashes  # noqa: E402
 from bench.deployment import Deployment  # noqa: E402
+from bench.docs_section import write_section  # noqa: E402
 from bench.prefix_sim import fixed_chooser, oracle_chooser, replay  # noqa: E402
 
 TOPOLOGY = "topologies/mocker-kv.toml"
@@ -286,21 +287,6 @@ def render(a: argparse.Namespace, res: dict[str, dict], oracle: float, cmd: str)
     return "\n".join(lines) + "\n"
 
 
-def write_section(path: pathlib.Path, body: str) -> None:
-    """Replace (or append) this benchmark's section, leaving the others alone."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    section = f"## {SECTION}\n\n" + body.rstrip() + "\n"
-    pattern = re.compile(rf"^## {re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
-    old = pattern.search(text)
-    if old and READING in old.group(0):  # the hand-written reading survives a re-run (update it!)
-        section += "\n" + READING + old.group(0).split(READING, 1)[1].rstrip() + "\n"
-    if old:
-        text = pattern.sub(lambda _: section + "\n", text).rstrip() + "\n"
-    else:
-        text = text.rstrip() + "\n\n" + section
-    path.write_text(text)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=64)
@@ -335,7 +321,7 @@ def main() -> int:
     if a.json:
         a.json.write_text(json.dumps({"oracle_hit_rate": oracle, "results": res}, indent=1))
     if a.write:
-        write_section(a.write, body)
+        write_section(a.write, SECTION, body, READING)
     return 0 if all(r["errors"] == 0 for r in res.values()) else 1
 
 
