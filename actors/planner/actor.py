@@ -92,7 +92,7 @@ class PlannerActor(Actor):
         self.config = config
         self.roots = dict(roots)
         self.planner = Planner(config, pool_states(config, pools, roots, profiles), instance=self.instance)
-        self.observer = Observer(model)
+        self.observer = Observer(model, steps=config.mode == "load")
         self.metrics = metrics or PlannerMetrics()
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=KEEP_DECISIONS)
         self.views: dict[str, PoolView] = {}
@@ -176,17 +176,21 @@ class PlannerActor(Actor):
     async def tick(self) -> Decision:
         """One decision: look, decide, publish, act."""
         self.views = await self._views()
-        for name, st in self.planner.pools.items():
-            if self.config.mode == "throughput" and st.model is None:
-                st.load_model()  # a profile written since the last decision is used from now on
-            samples = self.observer.take_steps(name)
-            if samples:
-                st.regression.fit(samples)
         observed = self.observer.take_interval()
-        predicted = None
-        if self.config.mode == "throughput":  # statsmodels fits block for tens of ms: off the loop
+        predicted, loads = None, {}
+        if self.config.mode == "throughput":
+            for st in self.planner.pools.values():
+                if st.model is None:
+                    st.load_model()  # a profile written since the last decision is used from now on
+            # statsmodels fits block for tens of milliseconds: off the event loop
             predicted = await asyncio.to_thread(self.planner.predict, observed)
-        decision = self.planner.decide(self.views, observed, self._loads(), predicted=predicted)
+        else:
+            for name, st in self.planner.pools.items():
+                samples = self.observer.take_steps(name)
+                if samples:
+                    st.regression.fit(samples)
+            loads = self._loads(observed.isl or self.planner.last_isl or 0.0)
+        decision = self.planner.decide(self.views, observed, loads, predicted=predicted)
         self.decisions.append(decision)
         self.metrics.decided(decision)
         for p in decision.pools:
@@ -227,8 +231,9 @@ class PlannerActor(Actor):
                     views[pool].children.append(c)
         return views
 
-    def _loads(self) -> dict[str, list[EngineLoad]]:
-        isl = self.planner.last_isl or 0.0
+    def _loads(self, isl: float) -> dict[str, list[EngineLoad]]:
+        """Each pool's engines as their latest load reports have them (load mode); a waiting
+        request is taken to be ``isl`` prompt tokens."""
         busy = self.observer.take_busy()
         out: dict[str, list[EngineLoad]] = {}
         for name, v in self.views.items():

@@ -39,8 +39,10 @@ def _totals(now: float) -> FrontendWindow:
 
 
 class Observer:
-    def __init__(self, model: str | None = None) -> None:
+    def __init__(self, model: str | None = None, *, steps: bool = True) -> None:
+        """``steps``: keep the load reports' step samples (only load mode fits on them)."""
         self.model = model  # windows of other models are not this deployment's demand
+        self.keep_steps = steps
         self._since = time.time()
         self._totals = _totals(self._since)
         self._windows = 0
@@ -60,7 +62,7 @@ class Observer:
 
     def add_load(self, report: LoadReport, pool: str | None, now: float | None = None) -> None:
         self._reports[(report.instance, report.dp_rank)] = (now if now is not None else time.monotonic(), report)
-        if report.steps:
+        if report.steps and self.keep_steps:
             self._busy_ms[report.instance] = self._busy_ms.get(report.instance, 0.0) + sum(
                 st.elapsed_ms for st in report.steps)
             if pool is not None:
