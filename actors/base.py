@@ -163,7 +163,7 @@ class Actor:
                                               endpoints=specs, stats=self._stats_data)
             await self.ready_probe()
             if self.register_instance:
-                self._registry = Registry(self.bus.js, self.bus.subjects.bucket_instances, self.registry_ttl)
+                self._registry = self.bus.registry(self.bus.subjects.bucket_instances, self.registry_ttl)
                 await self._registry.ensure()
                 await self._registry.register(self.instance, self.record())
         except BaseException:

@@ -8,6 +8,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from bus.connection import connect
+from bus.registry import Registry
 from bus.subjects import Subjects, inbox_prefix
 from config.topology import BusConfig
 
@@ -20,6 +21,7 @@ class BusContext:
     namespace: str
     host: str
     owns_connection: bool = True
+    kv_replicas: int = 1  # JetStream replicas of the registry buckets this process may create
 
     async def close(self) -> None:
         """Drain (flush outgoing, finish callbacks) and close, if this context owns the connection."""
@@ -31,9 +33,16 @@ class BusContext:
 
     def child(self) -> BusContext:
         """Same connection for another actor of this process (one connection per OS process)."""
-        return BusContext(self.nc, self.js, self.subjects, self.namespace, self.host, owns_connection=False)
+        return BusContext(self.nc, self.js, self.subjects, self.namespace, self.host, owns_connection=False,
+                          kv_replicas=self.kv_replicas)
+
+    def registry(self, bucket: str, ttl: float = 10.0) -> Registry:
+        """A registry bucket, created with the deployment's replicas if it does not exist yet."""
+        return Registry(self.js, bucket, ttl, self.kv_replicas)
 
 
-async def open_context(cfg: BusConfig | str, namespace: str, host: str, name: str) -> BusContext:
+async def open_context(cfg: BusConfig | str, namespace: str, host: str, name: str,
+                       kv_replicas: int = 1) -> BusContext:
     nc = await connect(cfg, name, inbox_prefix=inbox_prefix(namespace))
-    return BusContext(nc=nc, js=nc.jetstream(), subjects=Subjects(namespace), namespace=namespace, host=host)
+    return BusContext(nc=nc, js=nc.jetstream(), subjects=Subjects(namespace), namespace=namespace, host=host,
+                      kv_replicas=kv_replicas)

@@ -190,6 +190,9 @@ class EmbeddedNats:
     name: str = "nats-server"
     extra_args: list[str] = field(default_factory=list)  # e.g. ["-c", "auth.conf"] or ["--auth", token]
     write_config: Callable[[str], None] | None = None
+    # a fixed server name (a JetStream cluster member: its peers know it by name across restarts);
+    # default: ``<name>-<port>-<random>``, new on every start
+    server_name: str | None = None
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _lock: StoreLock | None = field(default=None, init=False)
     _stopping: bool = field(default=False, init=False)
@@ -236,7 +239,7 @@ class EmbeddedNats:
                     f.write(server_config())
             self._stopping = False
             # Unique server name: readiness must recognise *our* server, not another one on the port.
-            self._server_name = f"{self.name}-{self.port}-{secrets.token_hex(3)}"
+            self._server_name = self.server_name or f"{self.name}-{self.port}-{secrets.token_hex(3)}"
             cmd = self.command()
             log.info("starting embedded nats-server: %s", " ".join(cmd))
             # Output to DEVNULL unless a log file is given: an unread PIPE would block the server.

@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import nats.errors
 import nats.js.errors
+from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
 from bus import codec
-from bus.tasks import cancel_and_wait, cancels
+from bus.subjects import JS_API_INFO
+from bus.tasks import cancel_and_wait, cancels, honouring_cancel
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +48,11 @@ def _to_bytes(value: Any) -> bytes:
 
 
 class Registry:
-    def __init__(self, js: JetStreamContext, bucket: str, ttl: float = 10.0) -> None:
+    def __init__(self, js: JetStreamContext, bucket: str, ttl: float = 10.0, replicas: int = 1) -> None:
         self.js = js
         self.bucket = bucket
         self.ttl = ttl
+        self.replicas = replicas  # JetStream replicas when this process creates the bucket
         self._kv: KeyValue | None = None
         self._values: dict[str, bytes] = {}
         self._refresh: dict[str, asyncio.Task[None]] = {}
@@ -68,11 +73,12 @@ class Registry:
             return
         except nats.js.errors.BucketNotFoundError:
             pass
-        cfg = KeyValueConfig(bucket=self.bucket, ttl=self.ttl, history=1,
+        cfg = KeyValueConfig(bucket=self.bucket, ttl=self.ttl, history=1, replicas=self.replicas,
                              limit_marker_ttl=max(1.0, self.ttl), description="vllm-actors registry")
         try:
             self._kv = await self.js.create_key_value(cfg)
-            log.info("created KV bucket %s (ttl %.1fs)", self.bucket, self.ttl)
+            log.info("created KV bucket %s (ttl %.1fs, %d replica%s)", self.bucket, self.ttl, self.replicas,
+                     "" if self.replicas == 1 else "s")
         except nats.js.errors.BadRequestError:  # created concurrently by another process
             self._kv = await self.js.key_value(self.bucket)
             await self._adopt_ttl()
@@ -190,3 +196,35 @@ class Registry:
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+
+
+async def wait_for_jetstream(nc: Client, on_wait: Callable[[str], None],
+                             attempt_timeout: float = 2.0, report_every: float = 10.0) -> None:
+    """Return once JetStream answers (``$JS.API.INFO``); until then call ``on_wait`` now and then.
+
+    A clustered JetStream answers only once a majority of its servers have elected a meta leader,
+    so the first host of a cluster to start waits here for its peers instead of failing every
+    registry write (and being restarted until its supervisor gives up). No bound: a host whose
+    peers never come says so (``on_wait``: the log and the supervisor's STATUS=) for as long as it
+    waits, which is what an operator starting hosts one by one expects.
+    """
+    loop = asyncio.get_running_loop()
+    started = last_report = loop.time()
+    while True:
+        try:
+            reply = await honouring_cancel(nc.request(JS_API_INFO, b"", timeout=attempt_timeout))
+            error = json.loads(reply.data).get("error")
+            if not error:
+                if loop.time() - started > attempt_timeout:
+                    log.info("bus: JetStream answers after %.1fs", loop.time() - started)
+                return
+            problem = f"{error.get('code')} {error.get('description')}"
+        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+            problem = type(e).__name__
+        except ValueError:
+            problem = "JetStream's answer is not JSON"
+        if loop.time() - last_report >= report_every or last_report == started:
+            last_report = loop.time()
+            on_wait(f"waiting {loop.time() - started:.0f}s for JetStream (a cluster answers once a "
+                    f"majority of its servers is up and routed): {problem}")
+        await asyncio.sleep(0.5)

@@ -30,6 +30,9 @@ INSTANCE_ID = "Instance-Id"
 # Stall bound the caller will apply; the worker heartbeats at a fraction of it.
 STALL_TIMEOUT = "Stall-Timeout"
 
+# JetStream's account info request: answered once JetStream is available (a cluster: a meta leader)
+JS_API_INFO = "$JS.API.INFO"
+
 class Subjects:
     """Subjects of one namespace."""
 

@@ -20,6 +20,7 @@ import msgspec
 
 from config.credentials import check_api_key, check_bus
 from config.names import check_token
+from config.secrets import SecretError, password
 from config.topology import PoolConfig, Topology
 
 _BUS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
@@ -271,6 +272,7 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
                 fail("bus.url", f"expected {'|'.join(s[:-3] for s in _BUS_SCHEMES)}://host:port, got {url!r}"
                      " (leave bus.url out to embed a nats-server)")
     check_bus(t.bus, fail)
+    _check_cluster(t, fail, token, port)
 
     _check_supervisor(t.supervisor, "supervisor", fail, positive)
 
@@ -325,6 +327,48 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         v = getattr(s, key)
         if v is not None and not v.startswith("/"):
             fail(f"systemd.{key}", f"systemd needs an absolute path, got {v!r}")
+
+
+def _check_cluster(t: Topology, fail: Any, token: Any, port: Any) -> None:
+    """``bus.cluster``: every host of the topology runs a server of it, each reachable at a plain
+    address, routes with credentials unless explicitly insecure."""
+    b, c = t.bus, t.bus.cluster
+    if b.kv_replicas is not None and not 1 <= b.kv_replicas <= 5:
+        fail("bus.kv_replicas", f"expected 1..5 (JetStream's limit), got {b.kv_replicas}")
+    if c is None:
+        return
+    if not c.servers:
+        fail("bus.cluster.servers", "name each host's server and the address the others reach it at "
+             "(e.g. servers = { a = \"10.0.0.1\", b = \"10.0.0.2\", c = \"10.0.0.3\" })")
+    for host, address in c.servers.items():
+        token(f"bus.cluster.servers.{host}", host, "host name")
+        host_port = address.count(":") == 1  # an IPv6 address has several
+        if not address or host_port or any(ch in address for ch in " /@,[]"):
+            fail(f"bus.cluster.servers.{host}", f"expected an address or host name (no port, no scheme), got {address!r}")
+    port("bus.cluster.port", c.port)
+    if c.port == b.port:
+        fail("bus.cluster.port", f"the route port must differ from bus.port ({b.port})")
+    if b.kv_replicas is not None and b.kv_replicas > len(c.servers):
+        fail("bus.kv_replicas", f"{b.kv_replicas} replicas need as many servers; the cluster has {len(c.servers)}")
+    if c.name is not None:
+        token("bus.cluster.name", c.name, "cluster name")
+    given = [n for n in ("password", "password_file", "password_env") if getattr(c, n) is not None]
+    if len(given) > 1:
+        fail(f"bus.cluster.{given[1]}", f"bus.cluster.{given[0]} is already set")
+    if not given and not c.insecure:
+        fail("bus.cluster.password_file", "routes listen on a routable address: give them a password "
+             "(password_file or password_env), or set bus.cluster.insecure = true on a trusted network")
+    try:
+        password(c, "bus.cluster")
+    except SecretError as e:
+        setting, _, problem = str(e).partition(": ")
+        fail(setting, problem)
+    if b.url is None:
+        # processes connect to their own host's server: a host without one would have no bus
+        missing = [h for h in t.hosts() if h not in c.servers]
+        if missing:
+            fail("bus.cluster.servers", f"host(s) {', '.join(missing)} of this topology run no server: "
+                 "add them (every host connects to its own server on 127.0.0.1)")
 
 
 def _check_supervisor(s: Any, prefix: str, fail: Any, positive: Any) -> None:

@@ -12,13 +12,16 @@ class SecretError(ValueError):
     """A secret named by the topology cannot be read (missing file, empty file, unset variable)."""
 
 
-class _Auth(Protocol):  # config.topology.BusAuth, without importing the topology here
-    token: str | None
-    token_file: str | None
-    token_env: str | None
+class _Password(Protocol):  # config.topology.BusAuth or BusCluster, without importing the topology
     password: str | None
     password_file: str | None
     password_env: str | None
+
+
+class _Auth(_Password, Protocol):
+    token: str | None
+    token_file: str | None
+    token_env: str | None
 
 
 def read_secret_file(path: str, what: str) -> str:
@@ -43,7 +46,7 @@ def token(auth: _Auth, what: str = "bus.auth") -> str | None:
     return resolve(auth.token, auth.token_file, auth.token_env, f"{what}.token")
 
 
-def password(auth: _Auth, what: str = "bus.auth") -> str | None:
+def password(auth: _Password, what: str = "bus.auth") -> str | None:
     return resolve(auth.password, auth.password_file, auth.password_env, f"{what}.password")
 
 

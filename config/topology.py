@@ -55,8 +55,28 @@ class BusTLS(_Strict):
     verify_clients: bool = False  # embedded server: require client certificates signed by ca_file
 
 
+class BusCluster(_Strict):
+    """The embedded bus as a NATS cluster: each host of ``servers`` runs its own nats-server (a
+    child of that host's root, or its systemd nats unit), joined to the others by routes, with
+    JetStream clustered. Processes connect to their own host's server on 127.0.0.1; routes listen
+    on each server's ``servers`` address. Every host of the topology must run a server; a host
+    with nothing else on it (a bus-only third server, for a JetStream quorum) is allowed."""
+
+    servers: dict[str, str] = {}  # host name -> the address the other servers reach it at
+    port: int = 6222  # route port, on every server (open it between the hosts)
+    name: str | None = None  # cluster name (default: the namespace)
+    # Routes listen on a routable address: whoever reaches the port could join the cluster and read
+    # every subject. Each server admits a route only with this user and password.
+    user: str = "route"
+    password: str | None = None
+    password_file: str | None = None
+    password_env: str | None = None
+    insecure: bool = False  # routes without credentials (a private, trusted network only)
+
+
 class BusConfig(_Strict):
-    """``url`` empty → the root supervisor embeds a nats-server on 127.0.0.1:``port``."""
+    """``url`` empty → the root supervisor embeds a nats-server on 127.0.0.1:``port`` (with
+    ``cluster``: one per host, joined by routes)."""
 
     url: str | None = None
     port: int = 4222
@@ -69,6 +89,10 @@ class BusConfig(_Strict):
     # accounts, an operator and resolver for creds). With it, the file alone decides who may
     # connect; without it, the embedded server admits exactly ``auth``.
     server_config: str | None = None
+    cluster: BusCluster | None = None
+    # JetStream replicas of the registry buckets. Default: 3 on an embedded cluster of three or more
+    # servers, else 1. An external cluster (``url``): set it (the servers behind a URL are unknown).
+    kv_replicas: int | None = None
 
 
 class ModelConfig(_Strict):
@@ -274,4 +298,6 @@ class Topology(_Strict):
             names.add(self.planner.host)
         if self.echo:
             names.update(self.echo_hosts)
+        if self.bus.cluster is not None:
+            names.update(self.bus.cluster.servers)  # a bus-only host runs its server
         return sorted(names) or ["local"]

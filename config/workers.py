@@ -30,6 +30,22 @@ def bus_url(t: Topology) -> str:
     return t.bus.url or f"nats://127.0.0.1:{t.bus.port}"
 
 
+def kv_replicas(t: Topology) -> int:
+    """JetStream replicas of the registry buckets: ``bus.kv_replicas``, else 3 on an embedded
+    cluster of three or more servers (one server may then be lost), else 1. A cluster of two
+    gets 1: a replicated stream needs a majority, so R2 would stop with either server."""
+    if t.bus.kv_replicas is not None:
+        return t.bus.kv_replicas
+    servers = len(t.bus.cluster.servers) if t.bus.cluster is not None else 1
+    return 3 if servers >= 3 else 1
+
+
+def server_name(t: Topology, host: str) -> str:
+    """The nats-server name of ``host``'s embedded server in a cluster: JetStream knows its peers
+    by name, so it must stay the same across restarts (a new name would be a new peer)."""
+    return f"{t.namespace}-{host}"
+
+
 def worker_bus(t: Topology) -> BusConfig:
     """What a worker process connects with: ``bus.worker_auth`` when the topology gives workers a
     user of their own (per-role permissions), else the deployment's ``bus.auth``."""

@@ -24,6 +24,7 @@ from typing import Any
 from bus import event_loop
 from config.loader import TopologyError, load_topology
 from config.topology import Topology
+from config.workers import kv_replicas
 from deploy.pools import PoolSpawner
 from deploy.systemd import emit_units
 from deploy.tree import (
@@ -88,13 +89,26 @@ def main(argv: list[str] | None = None) -> int:
             print(path)
         return EXIT_OK
     if args.check:
-        print(f"{args.topology}: namespace {t.namespace}, bus "
-              f"{t.bus.url or f'embedded nats-server on 127.0.0.1:{t.bus.port}'}")
+        print(f"{args.topology}: namespace {t.namespace}, bus {_bus_words(t)}")
         for h in ([args.host] if args.host else t.hosts()):
             print("\n".join(describe_plan(plan_host(t, h, args.topology, args.overrides,
                                                     control=_control_factory(None, None)), t)))
         return EXIT_OK
+    if t.bus.cluster is not None and t.bus.url is None and len(hosts) > 1:
+        # each host's root runs that host's member of the cluster: one process cannot be several
+        print(f"error: bus.cluster gives each host its own nats-server: start one supervisor per host "
+              f"with --host NAME (hosts: {', '.join(hosts)})", file=sys.stderr)
+        return EXIT_USAGE
     return event_loop.run(boot(t, args.topology, args.overrides, name, hosts))
+
+
+def _bus_words(t: Topology) -> str:
+    if t.bus.url:
+        return t.bus.url
+    if t.bus.cluster is not None:
+        return (f"a cluster of {len(t.bus.cluster.servers)} embedded nats-servers (each host's on "
+                f"127.0.0.1:{t.bus.port}, routes on port {t.bus.cluster.port}; registry replicas {kv_replicas(t)})")
+    return f"embedded nats-server on 127.0.0.1:{t.bus.port}"
 
 
 def _control_factory(root_ref: list[Any] | None,
@@ -154,8 +168,7 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
-    log.info("namespace %s: starting %s (hosts %s; bus %s)", t.namespace, name, ", ".join(hosts),
-             t.bus.url or f"embedded on 127.0.0.1:{t.bus.port}")
+    log.info("namespace %s: starting %s (hosts %s; bus %s)", t.namespace, name, ", ".join(hosts), _bus_words(t))
     try:
         code = await serve_root(root, stop, Notifier(), shutdown_timeout=s.shutdown_timeout)
     finally:

@@ -11,6 +11,12 @@ The server admits exactly what the topology says its processes connect with:
 ``bus.tls.server_cert_file``/``server_key_file`` make the server require TLS; ``verify_clients``
 makes it require client certificates signed by ``bus.tls.ca_file``.
 
+With ``bus.cluster`` each host's server also listens for routes on its ``servers`` address and
+routes to every other server (``cluster {}``): the route user and password are required of every
+route (unless ``insecure``), the server's TLS certificate protects routes too, and servers do not
+advertise each other's client URLs (clients listen on 127.0.0.1: another host's loopback is not
+theirs to dial).
+
 The rendered file holds secrets (a token, a password): it is written with mode 0600, and its
 content is never logged.
 """
@@ -20,10 +26,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from urllib.parse import quote
 
 from bus.embedded import MAX_PAYLOAD, server_config
 from config.secrets import SecretError, password, read_secret_file, token
-from config.topology import BusAuth, BusConfig
+from config.topology import BusAuth, BusCluster, BusConfig, BusTLS
 
 
 def nkey_public(seed_path: str) -> str:
@@ -56,8 +63,41 @@ def _authorization(auth: BusAuth) -> list[str]:
     return []
 
 
-def render(bus: BusConfig, conf_dir: str | Path, max_payload: int = MAX_PAYLOAD) -> str:
-    """The config file's text; ``conf_dir`` is where it will be written (includes are relative)."""
+def _server_tls(tls: BusTLS | None) -> list[str]:
+    """The items of a ``tls {}`` block for the server's own certificate (none: no TLS)."""
+    if tls is None or not (tls.server_cert_file and tls.server_key_file):
+        return []
+    items = [f"cert_file: {_q(os.path.abspath(tls.server_cert_file))}",
+             f"key_file: {_q(os.path.abspath(tls.server_key_file))}"]
+    if tls.ca_file:
+        items.append(f"ca_file: {_q(os.path.abspath(tls.ca_file))}")
+    return items
+
+
+def _address(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # an IPv6 address in a URL or listen spec
+
+
+def _cluster(bus: BusConfig, c: BusCluster, host: str, name: str) -> list[str]:
+    """The ``cluster {}`` block of ``host``'s server: listen on its address, route to the others."""
+    secret = password(c, "bus.cluster")  # none only with insecure = true (the loader checks)
+    cred = f"{quote(c.user, safe='')}:{quote(secret, safe='')}@" if secret else ""
+    routes = [f"nats-route://{cred}{_address(addr)}:{c.port}" for h, addr in sorted(c.servers.items()) if h != host]
+    items = [f"name: {_q(c.name or name)}", f"listen: {_q(f'{_address(c.servers[host])}:{c.port}')}",
+             "no_advertise: true", f"routes: [{', '.join(_q(r) for r in routes)}]"]
+    if secret:
+        items.append(f"authorization {{ user: {_q(c.user)}, password: {_q(secret)} }}")
+    tls = _server_tls(bus.tls)
+    if tls:
+        # a route is a server-to-server link: both ends present the server certificate
+        items.append("tls { " + ", ".join(tls + (["verify: true"] if bus.tls and bus.tls.ca_file else [])) + " }")
+    return ["cluster {", *(f"  {i}" for i in items), "}"]
+
+
+def render(bus: BusConfig, conf_dir: str | Path, max_payload: int = MAX_PAYLOAD, *,
+           host: str | None = None, namespace: str = "vllm-actors") -> str:
+    """The config file's text; ``conf_dir`` is where it will be written (includes are relative).
+    ``host``: which server of ``bus.cluster`` this is (its cluster block), if the bus is one."""
     lines = [server_config(max_payload).rstrip("\n")]  # what every embedded server runs with
     if bus.server_config:
         included = os.path.abspath(os.path.expanduser(bus.server_config))
@@ -65,22 +105,21 @@ def render(bus: BusConfig, conf_dir: str | Path, max_payload: int = MAX_PAYLOAD)
         lines.append(f"include {_q(os.path.relpath(included, os.path.abspath(conf_dir)))}")
     else:
         lines += _authorization(bus.auth)
-    tls = bus.tls
-    if tls is not None and tls.server_cert_file and tls.server_key_file:
-        items = [f"cert_file: {_q(os.path.abspath(tls.server_cert_file))}",
-                 f"key_file: {_q(os.path.abspath(tls.server_key_file))}"]
-        if tls.ca_file:
-            items.append(f"ca_file: {_q(os.path.abspath(tls.ca_file))}")
-        if tls.verify_clients:
-            items.append("verify: true")
-        lines.append("tls { " + ", ".join(items) + " }")
+    tls = _server_tls(bus.tls)
+    if tls:
+        if bus.tls is not None and bus.tls.verify_clients:
+            tls.append("verify: true")
+        lines.append("tls { " + ", ".join(tls) + " }")
+    if bus.cluster is not None and host is not None:
+        lines += _cluster(bus, bus.cluster, host, namespace)
     return "\n".join(lines) + "\n"
 
 
-def write(bus: BusConfig, path: str | Path, max_payload: int = MAX_PAYLOAD) -> None:
+def write(bus: BusConfig, path: str | Path, max_payload: int = MAX_PAYLOAD, *,
+          host: str | None = None, namespace: str = "vllm-actors") -> None:
     """Write the config with mode 0600 (it may hold a token or password)."""
     path = Path(path)
-    text = render(bus, path.parent, max_payload)
+    text = render(bus, path.parent, max_payload, host=host, namespace=namespace)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         os.fchmod(fd, 0o600)  # an older file may have been created with a wider mode
@@ -92,5 +131,11 @@ def describe(bus: BusConfig) -> str:
     who = (f"users of {bus.server_config}" if bus.server_config
            else f"{bus.auth.kind()} auth" if bus.auth.kind() else "no auth, loopback only")
     tls = bus.tls is not None and bool(bus.tls.server_cert_file and bus.tls.server_key_file)
-    return who + (", TLS" + (" with client certificates" if bus.tls and bus.tls.verify_clients else "")
-                  if tls else "")
+    who += (", TLS" + (" with client certificates" if bus.tls and bus.tls.verify_clients else "")
+            if tls else "")
+    c = bus.cluster
+    if c is not None:
+        who += (f"; cluster of {len(c.servers)} ({', '.join(f'{h} {a}' for h, a in sorted(c.servers.items()))}), "
+                f"routes on port {c.port} " + (f"as user {c.user}" if (c.password, c.password_file, c.password_env) != (None, None, None)
+                                              else "without credentials"))
+    return who

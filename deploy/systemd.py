@@ -4,7 +4,10 @@ when the topology embeds NATS.
 Under systemd the nats-server is its own unit rather than a child of the supervisor, so restarting
 a host's supervisor does not take the bus (and every other host's connections) down with it. The
 host units therefore run the supervisor with ``--set bus.url=...`` so it does not embed a second one.
-The embedded server listens on 127.0.0.1 only, so such units are for hosts on the same machine.
+The embedded server listens on 127.0.0.1 only, so such units are for hosts on the same machine,
+unless the topology's bus is a cluster (``bus.cluster``): then every host gets a nats unit of its own
+(``vllm-actors-<ns>-<host>-nats.service``) whose config routes to the other hosts' servers, and its
+supervisor unit requires that one; copy each host's two units (and its nats config) to that host.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 
 from bus.embedded import nats_server_binary
 from config.topology import Topology
+from config.workers import server_name
 from deploy import nats_conf
 
 log = logging.getLogger(__name__)
@@ -27,8 +31,14 @@ def host_unit_name(topology: Topology, host: str) -> str:
     return f"{UNIT_PREFIX}-{topology.namespace}-{host}.service"
 
 
-def nats_unit_name(topology: Topology) -> str:
-    return f"{UNIT_PREFIX}-{topology.namespace}-nats.service"
+def _nats_stem(topology: Topology, host: str | None) -> str:
+    """``vllm-actors-<ns>[-<host>]-nats``: one bus per machine, or one cluster member per host."""
+    member = f"-{host}" if host is not None and topology.bus.cluster is not None else ""
+    return f"{UNIT_PREFIX}-{topology.namespace}{member}-nats"
+
+
+def nats_unit_name(topology: Topology, host: str | None = None) -> str:
+    return f"{_nats_stem(topology, host)}.service"
 
 
 def nats_server_path() -> str:
@@ -59,28 +69,35 @@ def _render(sections: dict[str, list[tuple[str, object]]], header: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def nats_store_dir(topology: Topology) -> tuple[str, str | None]:
+def nats_store_dir(topology: Topology, host: str | None = None) -> tuple[str, str | None]:
     """(store dir, StateDirectory= value or None). Without an explicit store dir the unit lets
-    systemd create /var/lib/vllm-actors/<ns>/nats owned by the unit's user."""
+    systemd create /var/lib/vllm-actors/<ns>/nats (a cluster member: nats-<host>) owned by the
+    unit's user."""
     if topology.bus.store_dir:
         return os.path.abspath(topology.bus.store_dir), None
-    state = f"{UNIT_PREFIX}/{topology.namespace}/nats"
+    member = f"-{host}" if host is not None and topology.bus.cluster is not None else ""
+    state = f"{UNIT_PREFIX}/{topology.namespace}/nats{member}"
     return f"/var/lib/{state}", state
 
 
-def nats_conf_name(topology: Topology) -> str:
-    return f"{UNIT_PREFIX}-{topology.namespace}-nats.conf"
+def nats_conf_name(topology: Topology, host: str | None = None) -> str:
+    return f"{_nats_stem(topology, host)}.conf"
 
 
-def render_nats_unit(topology: Topology, topology_path: Path, conf: Path) -> str:
+def render_nats_unit(topology: Topology, topology_path: Path, conf: Path, host: str | None = None) -> str:
     s = topology.systemd
-    store, state_dir = nats_store_dir(topology)
+    store, state_dir = nats_store_dir(topology, host)
+    member = host is not None and topology.bus.cluster is not None
+    name = server_name(topology, host) if member and host is not None else f"{topology.namespace}-nats"
     argv = [nats_server_path(), "-c", str(conf), "-js", "-sd", store, "-a", "127.0.0.1",
-            "-p", str(topology.bus.port), "-n", f"{topology.namespace}-nats"]
+            "-p", str(topology.bus.port), "-n", name]
+    what = f"host {host}'s member of the NATS cluster" if member else "embedded NATS bus"
     return _render({
         "Unit": [
-            ("Description", f"vllm-actors {topology.namespace}: embedded NATS bus (JetStream)"),
-            ("After", "network.target"),
+            ("Description", f"vllm-actors {topology.namespace}: {what} (JetStream)"),
+            # a cluster member binds its routes to the host's address: wait until the network has it
+            ("After", "network-online.target" if member else "network.target"),
+            ("Wants", "network-online.target" if member else None),
             ("StartLimitIntervalSec", s.start_limit_interval_sec),
             ("StartLimitBurst", s.start_limit_burst),
         ],
@@ -108,8 +125,8 @@ def render_host_unit(topology: Topology, topology_path: Path, host: str, python:
     requires = None
     if embeds:
         argv += ["--set", f"bus.url=nats://127.0.0.1:{topology.bus.port}"]
-        after.append(nats_unit_name(topology))
-        requires = nats_unit_name(topology)
+        after.append(nats_unit_name(topology, host))
+        requires = nats_unit_name(topology, host)
     # relative paths in the topology (model dirs, LoRA roots) mean what they meant where the operator
     # ran --emit-systemd
     workdir = s.working_directory or os.getcwd()
@@ -158,14 +175,17 @@ def emit_units(topology: Topology, topology_path: str | Path, out_dir: str | Pat
     python = os.path.abspath(python)
     written: list[Path] = []
     if topology.bus.url is None:
-        conf = out.resolve() / nats_conf_name(topology)
-        # what the embedded server would run with: auth, TLS, an included users file (mode 0600:
-        # it may hold the token or password)
-        nats_conf.write(topology.bus, conf)
-        p = out / nats_unit_name(topology)
-        p.write_text(render_nats_unit(topology, topology_path, conf))
-        written.append(p)
-        log.info("wrote %s", conf)
+        # one bus for the machine, or one cluster member per host (its routes to the others)
+        members: list[str | None] = list(topology.hosts()) if topology.bus.cluster is not None else [None]
+        for member in members:
+            conf = out.resolve() / nats_conf_name(topology, member)
+            # what the embedded server would run with: auth, TLS, an included users file, the
+            # cluster's routes (mode 0600: it may hold the token or a password)
+            nats_conf.write(topology.bus, conf, host=member, namespace=topology.namespace)
+            p = out / nats_unit_name(topology, member)
+            p.write_text(render_nats_unit(topology, topology_path, conf, member))
+            written.append(p)
+            log.info("wrote %s", conf)
     for host in topology.hosts():
         p = out / host_unit_name(topology, host)
         p.write_text(render_host_unit(topology, topology_path, host, python))

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from config.paths import profile_dir, profile_path, run_dir
 from config.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
-from config.workers import bus_url, embeds_nats
+from config.workers import bus_url, embeds_nats, kv_replicas, server_name
 from deploy import nats_conf
 from deploy.pools import worker_spec
 from supervisors.child import Child, ChildSpec
@@ -54,25 +54,43 @@ class BusLink:
     nats-py reconnects forever on its own, so this child only ends when the connection is closed
     for good (then the in-process actors are restarted on a fresh one by ``inproc``)."""
 
-    def __init__(self, t: Topology, host: str, name: str = "bus") -> None:
+    def __init__(self, t: Topology, host: str, name: str = "bus",
+                 status: Callable[[str], None] | None = None) -> None:
         self.name = name
         self.topology = t
         self.host = host
+        self.status = status  # STATUS= lines while the start waits (for JetStream)
         self.ctx: Any = None  # bus.context.BusContext once started
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
         from bus.context import open_context
+        from bus.registry import wait_for_jetstream
         self._stopped.clear()
+        t = self.topology
         try:
-            self.ctx = await asyncio.wait_for(open_context(
-                self.topology.bus, self.topology.namespace, self.host,
-                f"vllm-actors:{self.topology.namespace}:{self.host}:{os.getpid()}"), BUS_CONNECT_TIMEOUT)
+            ctx = await asyncio.wait_for(open_context(
+                t.bus, t.namespace, self.host, f"vllm-actors:{t.namespace}:{self.host}:{os.getpid()}",
+                kv_replicas(t)), BUS_CONNECT_TIMEOUT)
         except TimeoutError:
-            raise ConnectionError(f"no NATS server at {bus_url(self.topology)} within "
+            raise ConnectionError(f"no NATS server at {bus_url(t)} within "
                                   f"{BUS_CONNECT_TIMEOUT:g}s") from None
-        log.info("bus: connected to %s as host %s", self.ctx.nc.connected_url.netloc
-                 if self.ctx.nc.connected_url else bus_url(self.topology), self.host)
+        log.info("bus: connected to %s as host %s", ctx.nc.connected_url.netloc
+                 if ctx.nc.connected_url else bus_url(t), self.host)
+
+        def waiting(text: str) -> None:
+            log.warning("bus: %s", text)
+            if self.status is not None:
+                self.status(f"bus: {text}")
+
+        try:
+            # every actor of this process writes the registry: a cluster still electing its JetStream
+            # leader (its other hosts not up yet) is waited for here, not failed actor by actor
+            await wait_for_jetstream(ctx.nc, waiting)
+        except BaseException:
+            await ctx.nc.close()
+            raise
+        self.ctx = ctx
 
     async def wait(self) -> None:
         while not self._stopped.is_set():
@@ -141,11 +159,11 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
     shares = hosts or [host]
     overrides = list(overrides or [])
     sup = t.supervisor
-    link = BusLink(t, host)
     relay = StatusRelay()
+    link = BusLink(t, host, status=relay)
     nodes: list[Node] = []
     if embeds_nats(t):
-        nodes.append(_nats_node(t))
+        nodes.append(_nats_node(t, host))
 
     inproc: list[Node] = [Node(ChildSpec("bus", lambda: link, "permanent", sup.drain_timeout),
                                "bus", f"NATS connection to {bus_url(t)}")]
@@ -193,18 +211,23 @@ def _backoff(b: BackoffConfig) -> dict[str, float]:
     return {"initial": b.initial, "max": b.max, "multiplier": b.multiplier, "jitter": b.jitter}
 
 
-def _nats_node(t: Topology) -> Node:
+def _nats_node(t: Topology, host: str) -> Node:
+    """This host's embedded nats-server: the deployment's bus, or with ``bus.cluster`` this host's
+    member of the cluster (a name that stays the same across restarts, its own store dir: hosts
+    of one cluster may share a file system, as the namespace tests do)."""
+    cluster = t.bus.cluster is not None
     # one store per deployment: a host tells deployments of one namespace apart by their bus port
-    store = t.bus.store_dir or str(run_dir(t) / f"nats-{t.bus.port}")
+    store = t.bus.store_dir or str(run_dir(t) / (f"nats-{host}-{t.bus.port}" if cluster else f"nats-{t.bus.port}"))
+    name = server_name(t, host) if cluster else None
 
     def start() -> Child:
         from bus.embedded import EmbeddedNats
-        return EmbeddedNats(port=t.bus.port, store_dir=store, name="nats",
-                            write_config=lambda path: nats_conf.write(t.bus, path))
+        return EmbeddedNats(port=t.bus.port, store_dir=store, name="nats", server_name=name,
+                            write_config=lambda path: nats_conf.write(t.bus, path, host=host, namespace=t.namespace))
 
     return Node(ChildSpec("nats", start, "permanent", min(10.0, t.supervisor.shutdown_timeout)),
-                "nats", f"embedded nats-server 127.0.0.1:{t.bus.port} ({nats_conf.describe(t.bus)}; "
-                f"JetStream store {store})")
+                "nats", f"embedded nats-server 127.0.0.1:{t.bus.port}{f' named {name}' if name else ''} "
+                f"({nats_conf.describe(t.bus)}; JetStream store {store})")
 
 
 def _echo_node(t: Topology, host: str, link: BusLink, multi: bool) -> Node:

@@ -53,7 +53,6 @@ from actors.worker.contract import GenerateChunk, GenerateRequest
 from bus import event_loop
 from bus.context import BusContext, open_context
 from bus.embedded import EmbeddedNats, free_port
-from bus.registry import Registry
 from bus.stream import StreamCall, stream_request
 from config.loader import TopologyError, load_topology
 from config.paths import profile_path
@@ -231,8 +230,8 @@ class WorkerTarget:
 
 async def registered(bus: BusContext, pool: str) -> tuple[InstanceRecord, ModelCard]:
     """The worker's instance record and model card, read from the private registry."""
-    instances = Registry(bus.js, bus.subjects.bucket_instances)
-    models = Registry(bus.js, bus.subjects.bucket_models)
+    instances = bus.registry(bus.subjects.bucket_instances)
+    models = bus.registry(bus.subjects.bucket_models)
     await instances.ensure()
     await models.ensure()
     loop = asyncio.get_running_loop()

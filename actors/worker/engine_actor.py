@@ -273,7 +273,7 @@ class EngineActor(Actor):
         except BaseException:
             await self.service.shutdown()
             raise
-        self._models = Registry(self.bus.js, self.bus.subjects.bucket_models, self.registry_ttl)
+        self._models = self.bus.registry(self.bus.subjects.bucket_models, self.registry_ttl)
         try:
             await self._models.ensure()
             await self._models.register(f"{self.model_card().served_model_name}.{self.pool_name}",

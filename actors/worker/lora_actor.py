@@ -75,7 +75,7 @@ class _RegistryStore:
         return f"{self.actor.worker_instance}.{name}"
 
     async def open(self) -> None:
-        self.registry = Registry(self.actor.bus.js, self.actor.bus.subjects.bucket_loras, LORA_RECORD_TTL)
+        self.registry = self.actor.bus.registry(self.actor.bus.subjects.bucket_loras, LORA_RECORD_TTL)
         await self.registry.ensure()
 
     async def put(self, info: LoraInfo) -> None:
