@@ -12,8 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.engines.protocol import Engine
+from bus.addresses import advertised_address, remote_hosts
 from bus.embedded import free_port
-from config.topology import ModelConfig, PoolConfig
+from config.topology import ModelConfig, PoolConfig, Topology
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,19 @@ def _model_vocab_size(path: str) -> int | None:
     return vocab if isinstance(vocab, int) and vocab > 0 else None
 
 
-def engine_env(pool: PoolConfig, replica: int, cpu_slot: int | None) -> dict[str, str]:
+def advertised_host(t: Topology, host: str) -> str | None:
+    """The address another host reaches ``host``'s engines at: its ``bus.cluster.servers`` entry;
+    on a bus whose servers are elsewhere (``bus.url``), the address detected for reaching them
+    (``bus.addresses``); None when the whole deployment shares this machine's loopback bus
+    (vLLM's default ``localhost`` is then right)."""
+    if t.bus.cluster is not None and host in t.bus.cluster.servers:
+        return t.bus.cluster.servers[host]
+    peers = remote_hosts(t.bus.url)
+    return advertised_address(peers) if peers else None
+
+
+def engine_env(pool: PoolConfig, replica: int, cpu_slot: int | None,
+               advertise: str | None = None) -> dict[str, str]:
     """The pool's env for one replica's vLLM engine.
 
     * CPU: vLLM binds every engine of a machine to core 0 unless told otherwise, and with
@@ -40,9 +53,13 @@ def engine_env(pool: PoolConfig, replica: int, cpu_slot: int | None) -> dict[str
       give each engine on a host its own core (``cpu_slot``), unless the topology chose one.
       GPU builds ignore the variable.
     * NIXL: every engine on a host needs its own side-channel port: replicas count up from the
-      pool's port (8 apart, room for vLLM's own per-rank offsets).
+      pool's port (8 apart, room for vLLM's own per-rank offsets). Its side-channel host is what
+      a decode engine on another host dials: ``advertise`` (``advertised_host``) unless the
+      topology set it; vLLM's default, ``localhost``, works only within one machine.
     """
     env = dict(pool.env)
+    if advertise and "kv_transfer_config" in pool.engine_args:
+        env.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", advertise)
     if cpu_slot is not None and "VLLM_CPU_OMP_THREADS_BIND" not in env:
         env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_slot % (os.cpu_count() or 1))
     port = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
@@ -52,7 +69,7 @@ def engine_env(pool: PoolConfig, replica: int, cpu_slot: int | None) -> dict[str
 
 
 def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, replica: int = 0,
-                 cpu_slot: int | None = None) -> Engine:
+                 cpu_slot: int | None = None, advertise: str | None = None) -> Engine:
     """A fresh, not yet started engine for ``pool``. Decode workers publish no KV events.
     ``seed`` is a mocker's "weights" (a vLLM engine takes none here)."""
     served = model.name if model else "model"
@@ -84,10 +101,10 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, 
     if pool.prompt_embeds:
         args.setdefault("enable_prompt_embeds", True)
     return VllmEngine(args, role=pool.role, served_model_name=served, kv_events_port=kv_events_port,
-                      env=engine_env(pool, replica, cpu_slot), identity_lora=pool.lora.identity_adapter)
+                      env=engine_env(pool, replica, cpu_slot, advertise), identity_lora=pool.lora.identity_adapter)
 
 
 def factory_for(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, replica: int = 0,
-                cpu_slot: int | None = None) -> Callable[[], Engine]:
+                cpu_slot: int | None = None, advertise: str | None = None) -> Callable[[], Engine]:
     """A zero-argument builder: each restart of the engine actor gets a fresh engine (and port)."""
-    return lambda: build_engine(pool, model, seed=seed, replica=replica, cpu_slot=cpu_slot)
+    return lambda: build_engine(pool, model, seed=seed, replica=replica, cpu_slot=cpu_slot, advertise=advertise)

@@ -36,7 +36,7 @@ from actors.worker import kv_publisher, lora_actor
 from actors.worker.checkpoint import RESTORE_DONE, prepare
 from actors.worker.contract import HealthReply, LivenessReply
 from actors.worker.engine_actor import EngineActor
-from actors.worker.engine_factory import factory_for
+from actors.worker.engine_factory import advertised_host, factory_for
 from actors.worker.health import HealthMonitor
 from actors.worker.metrics import engine_metrics
 from actors.worker.status_http import StatusServer, status_bind_host
@@ -46,7 +46,7 @@ from bus.context import BusContext, open_context
 from bus.tasks import cancel_and_wait
 from config.loader import load_topology
 from config.topology import PoolConfig, Topology
-from config.workers import MAX_REPLICA, overrides_from_env, worker_bus, worker_child_id
+from config.workers import MAX_REPLICA, kv_replicas, overrides_from_env, worker_bus, worker_child_id
 from supervisors.child import ChildSpec
 from supervisors.process import EXIT_DONE
 from supervisors.sdnotify import Notifier, serve_root
@@ -102,8 +102,10 @@ def cpu_slot(t: Topology, pool_name: str, replica: int) -> int:
 def default_engine_factory(t: Topology, pool_name: str, replica: int) -> Callable[[], Engine]:
     # every replica is the same model (a mocker's seed is its "weights"): a migrated stream must
     # continue as if nothing happened
-    return factory_for(t.pools[pool_name], t.model, seed=0, replica=replica,
-                       cpu_slot=cpu_slot(t, pool_name, replica))
+    pool = t.pools[pool_name]
+    advertise = advertised_host(t, pool.host) if pool.engine == "vllm" else None
+    return factory_for(pool, t.model, seed=0, replica=replica, cpu_slot=cpu_slot(t, pool_name, replica),
+                       advertise=advertise)
 
 
 def build_children(env: WorkerEnv, engine_factory: Callable[[], Engine] | None = None,
@@ -238,7 +240,7 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
     notifier.status("connecting to NATS")
     try:
         ctx = await open_context(worker_bus(t), t.namespace, pool.host,
-                                 f"vllm-actors:{t.namespace}:{node}:{os.getpid()}")
+                                 f"vllm-actors:{t.namespace}:{node}:{os.getpid()}", kv_replicas(t))
     except BaseException:
         if restored is not None:
             await restored.shutdown()
