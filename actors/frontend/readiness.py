@@ -14,6 +14,11 @@ A pool's replicas are the ones its supervisor runs now (its ``children`` view): 
 ``replicas`` is the start, and the planner (or an operator's ``spawn``/``stop``) moves it. Until a
 view has been read, the topology's count is expected.
 
+Once ready, what must stay is every *role* the model needs, not every pool: two decode pools on
+two hosts are one capacity, and a host that dies takes its pools with it while the other host's
+workers still serve every request (and receive the migrated ones). The body still shows the empty
+pool, with what its replicas are doing.
+
 For each missing replica the body says what it is doing, from the supervisors' children views
 (``starting``/``loading``/``restarting``/``stopped``) and the registry (``sleeping``,
 ``registering``: the process runs but its engine is not registered yet).
@@ -115,7 +120,7 @@ class Readiness:
         records = workers.records()
         pools: dict[str, Any] = {}
         full = True  # every pool at its minimum
-        none_empty = True  # no required pool without a ready worker
+        serving: dict[str, int] = {}  # ready workers per role the model needs
         for p in self.pools:
             live = [w for w in ready_list if w.pool == p.name and (self.model is None or w.model == self.model)]
             missing = self._missing(p, {w.instance for w in live}, records, children)
@@ -123,7 +128,8 @@ class Readiness:
                              "minimum": p.minimum, "required": self.required(p), "missing": missing}
             if self.required(p):
                 full = full and len(live) >= p.minimum
-                none_empty = none_empty and len(live) > 0
+                serving[p.role] = serving.get(p.role, 0) + len(live)
+        none_empty = all(serving.values())  # every needed role still has a ready worker
         if self.pools:
             ready = (full or (self.was_ready and none_empty)) and (
                 self.model is None or self.model in workers.models)
