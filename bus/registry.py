@@ -24,12 +24,19 @@ from nats.js.api import KeyValueConfig
 from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
 
 from bus import codec
+from bus.backoff import Backoff
 from bus.subjects import JS_API_INFO
 from bus.tasks import cancel_and_wait, cancels, honouring_cancel
 
 log = logging.getLogger(__name__)
 
 EventKind = Literal["added", "updated", "removed"]
+
+# what a replicated bucket answers while its stream has no leader yet (or JetStream none)
+_UNSETTLED = (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
+              nats.errors.TimeoutError)
+SETTLE_BOUND_S = 15.0  # how long a first put waits for a settling bucket
+SETTLE_BACKOFF = Backoff(initial=0.2, max=2.0, multiplier=2.0, jitter=0.2)
 
 
 @dataclass(frozen=True)
@@ -131,11 +138,32 @@ class Registry:
         """
         data = _to_bytes(value)
         self._values[key] = data
-        await self.kv.put(key, data)
+        await self._first_put(key, data)
         if key not in self._refresh:
             interval = heartbeat or self.ttl / 3
             self._refresh[key] = asyncio.create_task(self._keepalive(key, interval),
                                                      name=f"registry-refresh-{key}")
+
+    async def _first_put(self, key: str, data: bytes) -> None:
+        """Put, riding out a clustered bucket that is still settling: a replicated stream answers
+        only once its own leader is elected, which follows JetStream's (a bucket just created, a
+        server just restarted or lost). Bounded, so that a bus that stays unavailable still fails
+        the registration (and the actor's start, which its supervisor retries)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SETTLE_BOUND_S
+        attempt = 0
+        while True:
+            try:
+                await self.kv.put(key, data)
+                return
+            except _UNSETTLED as e:
+                if loop.time() >= deadline:
+                    raise
+                if attempt == 0:
+                    log.info("registry %s: %s not stored yet (%s); retrying for up to %gs",
+                             self.bucket, key, type(e).__name__, SETTLE_BOUND_S)
+                await asyncio.sleep(SETTLE_BACKOFF.delay(attempt))
+                attempt += 1
 
     async def _keepalive(self, key: str, interval: float) -> None:
         while True:

@@ -48,7 +48,8 @@ def test_shipped_topologies_load(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(TopologyError, match="bus.auth.password_env: environment variable "
                                             "VLLM_ACTORS_SUPERVISOR_PASSWORD is not set"):
         load_topology(secure)
-    for name in ("VLLM_ACTORS_SUPERVISOR_PASSWORD", "VLLM_ACTORS_WORKER_PASSWORD", "VLLM_ACTORS_API_KEY"):
+    for name in ("VLLM_ACTORS_SUPERVISOR_PASSWORD", "VLLM_ACTORS_WORKER_PASSWORD", "VLLM_ACTORS_API_KEY",
+                 "VLLM_ACTORS_ROUTE_PASSWORD"):
         monkeypatch.setenv(name, "x")
     for path in sorted((ROOT / "topologies").glob("*.toml")):
         load_topology(path)
