@@ -261,6 +261,8 @@ async def measure(dep: Deployment, bus: EmbeddedNats, monitor: str, n: int, a: a
         "cpu_s": {k: c1[k] - c0[k] for k in c0},
         # the whole machine (the lead's jobs included): busy share of all cores over the phase
         "machine_busy_pct": 100 * (m1[0] - m0[0]) / max(1e-9, m1[1] - m0[1]),
+        # of which not this deployment, its bus or this client: other jobs on the shared machine
+        "others_pct": 100 * ((m1[0] - m0[0]) - sum(c1[k] - c0[k] for k in c0)) / max(1e-9, m1[1] - m0[1]),
         "router": router_times(h0, h1),
     })
     stats = await bus_request(bus_url, subjects.router("index.stats"))
@@ -383,7 +385,8 @@ ROWS: list[Row] = [
     ("workers' / root CPU % of one core, idle",
      lambda r: _pair(r["cpu_idle_pct"]["workers"], r["cpu_idle_pct"]["root"]), 0,
      lambda r: r["cpu_idle_pct"]["workers"]),
-    ("machine CPU busy over the phase, % of all cores", lambda r: r["machine_busy_pct"], 0, None),
+    ("machine CPU busy over the phase / of which other jobs, % of all cores",
+     lambda r: _pair(r["machine_busy_pct"], r.get("others_pct"), 0), 0, None),
     ("nats-server / client CPU s, request phase", lambda r: _pair(r["cpu_s"]["nats"], r["cpu_s"]["client"]), 0,
      None),
 ]
