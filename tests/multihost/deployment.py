@@ -141,25 +141,28 @@ class HostsDeployment:
     """A topology's hosts, each a supervisor process in its own namespace."""
 
     def __init__(self, hosts: Hosts, topology: str | Path, tmp: Path, sets: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, *, cluster: bool = True) -> None:
         self.hosts = hosts
         self.topology = str(topology)
         self.tmp = tmp
         self.namespace = f"mh{secrets.token_hex(3)}"
         servers = ", ".join(f'{h.name} = "{h.address}"' for h in hosts)
+        # the cluster's addresses are this run's namespaces' (cluster=False: a one-host deployment)
         self.sets = [f"namespace={self.namespace}", f"run_dir={tmp / 'run'}",
-                     f"bus.cluster.servers={{ {servers} }}", *(sets or [])]
+                     *([f"bus.cluster.servers={{ {servers} }}"] if cluster else []), *(sets or [])]
         # a private HOME: models and run state of this test only, the built tiny model shared
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.procs: dict[str, subprocess.Popen[Any]] = {}
         self.loops: dict[str, NetnsLoop] = {}
         self.starts: dict[str, int] = {}
 
-    def start(self, name: str) -> subprocess.Popen[Any]:
-        """Start host ``name``'s supervisor (again), logging to ``<tmp>/<name>-<n>.log``."""
+    def start(self, name: str, host: str | None = None) -> subprocess.Popen[Any]:
+        """Start host ``name``'s supervisor (again), logging to ``<tmp>/<name>-<n>.log``; ``host``:
+        the topology's name for it, when that is not the namespace's (a one-host topology's "local")."""
         n = self.starts[name] = self.starts.get(name, 0) + 1
         log = open(self.tmp / f"{name}-{n}.log", "w")  # noqa: SIM115 - the process writes it
-        argv = [sys.executable, "-m", "actors.supervisor", self.topology, "--host", name, "--log-level", "INFO"]
+        argv = [sys.executable, "-m", "actors.supervisor", self.topology, "--host", host or name,
+                "--log-level", "INFO"]
         for s in self.sets:
             argv += ["--set", s]
         p = self.hosts[name].popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
