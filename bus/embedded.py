@@ -178,7 +178,10 @@ def _own_cmdline(limit: int = 300) -> str:
 
 @dataclass(eq=False)
 class EmbeddedNats:
-    """A nats-server child process bound to ``host:port`` with JetStream enabled.
+    """A nats-server child process bound to ``host:port`` with JetStream enabled. ``port=0``: the
+    server binds a port the kernel picks and reports it in a ports file (``--ports_file_dir``), and
+    ``port``/``url`` are that port once started. A port picked free beforehand can be taken by
+    someone else before the server binds it.
 
     ``write_config(path)`` writes the server's config file (auth, TLS: see ``deploy.nats_conf``);
     default: ``server_config()`` alone (no auth)."""
@@ -197,9 +200,11 @@ class EmbeddedNats:
     _lock: StoreLock | None = field(default=None, init=False)
     _stopping: bool = field(default=False, init=False)
     _server_name: str = field(default="", init=False)
+    _pick_port: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self._server_name = f"{self.name}-{self.port}"
+        self._pick_port = self.port == 0
 
     @property
     def url(self) -> str:
@@ -216,8 +221,10 @@ class EmbeddedNats:
     def command(self) -> list[str]:
         assert self.store_dir is not None
         conf = os.path.join(self.store_dir, "vllm-actors.conf")
-        cmd = [nats_server_binary(), "-c", conf, "-a", self.host, "-p", str(self.port), "-js",
+        cmd = [nats_server_binary(), "-c", conf, "-a", self.host, "-p", str(self.port or -1), "-js",
                "-sd", self.store_dir, "-n", self._server_name]
+        if self._pick_port:
+            cmd += ["--ports_file_dir", self.store_dir]
         if self.log_file:
             cmd += ["-l", self.log_file]
         return cmd + self.extra_args
@@ -258,12 +265,27 @@ class EmbeddedNats:
         if self._lock is not None and (self._proc is None or self._proc.poll() is not None):
             self._lock.release()
 
+    def _bound_port(self) -> int:
+        """The client port the server reported in its ports file (0: not written yet)."""
+        assert self._proc is not None and self.store_dir is not None
+        path = os.path.join(self.store_dir, f"{os.path.basename(nats_server_binary())}_{self._proc.pid}.ports")
+        try:
+            with open(path, encoding="utf-8") as f:
+                url = json.load(f)["nats"][0]
+        except (OSError, ValueError, KeyError, IndexError):
+            return 0
+        return int(url.rsplit(":", 1)[1])
+
     def _probe(self) -> bool:
         """Ready = the server accepts TCP and its INFO announces JetStream."""
         assert self._proc is not None
         if self._proc.poll() is not None:
             raise RuntimeError(f"nats-server exited with {self._proc.returncode} while starting "
                                f"(port {self.port} in use?)")
+        if self._pick_port:
+            self.port = self._bound_port()
+            if not self.port:
+                return False
         try:
             with socket.create_connection((self.host, self.port), timeout=1.0) as s:
                 line = s.makefile("rb").readline()

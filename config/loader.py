@@ -398,7 +398,7 @@ def _check_pool(name: str, pool: PoolConfig, t: Topology, fail: Any, token: Any,
         fail(key, "worker pools serve a model: add a [model] table")
     if pool.replicas < 1:
         fail(f"{key}.replicas", f"expected int >= 1, got {pool.replicas}")
-    if pool.status_port is not None:
+    if pool.status_port:  # 0: each worker's status server on a port the kernel picks (logged)
         port(f"{key}.status_port", pool.status_port)
         last = pool.status_port + pool.replicas - 1
         if last > 65535:

@@ -207,7 +207,8 @@ class PoolConfig(_Strict):
     host: str = "local"
     engine_args: dict[str, Any] = {}  # vLLM AsyncEngineArgs (validated by vLLM) or mocker args
     env: dict[str, str] = {}
-    status_port: int | None = None  # first worker's /health port; replicas add 1 each
+    # first worker's /health port; replicas add 1 each (0: a port the kernel picks, in the worker's log)
+    status_port: int | None = None
     status_host: str | None = None  # status servers' bind address (default: frontend.http's host)
     max_waiting: int | None = None  # admission guard: reject when the waiting queue reaches this
     prompt_embeds: bool = False

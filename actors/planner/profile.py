@@ -52,7 +52,7 @@ from actors.planner.contract import Profile
 from actors.worker.contract import GenerateChunk, GenerateRequest
 from bus import event_loop
 from bus.context import BusContext, open_context
-from bus.embedded import EmbeddedNats, free_port
+from bus.embedded import EmbeddedNats
 from bus.stream import StreamCall, stream_request
 from config.loader import TopologyError, load_topology
 from config.paths import profile_path
@@ -165,7 +165,7 @@ def private_overrides(t: Topology, pool: str, world: World) -> list[str]:
     if t.bus.worker_auth is not None:
         sets.append("bus.worker_auth={}")
     if t.pools[pool].status_port is not None:
-        sets.append(f"pools.{pool}.status_port={free_port()}")
+        sets.append(f"pools.{pool}.status_port=0")  # a port the kernel picks (none of a deployment's)
     if t.pools[pool].role == "prefill":
         # measured as agg: a prefill engine keeps each prompt's KV for the decode engine that is to
         # pull it (vLLM's NIXL connector, until pulled or timed out), and none ever comes here; with
@@ -320,9 +320,17 @@ def write(prof: Profile, out: Path) -> None:
 
 
 async def run(args: argparse.Namespace, command: str) -> int:
-    world = World(namespace=f"profile{secrets.token_hex(4)}", port=free_port(),
-                  run_dir=Path(tempfile.mkdtemp(prefix="vllm-actors-profile-")))
+    run_dir = Path(tempfile.mkdtemp(prefix="vllm-actors-profile-"))
+    # port 0: the server binds one the kernel picks and reports it (no port picked, then raced for)
+    nats = EmbeddedNats(port=0, store_dir=str(run_dir / "nats"), log_file=str(run_dir / "nats.log"),
+                        name="profile-nats")
     try:
+        try:
+            await nats.start()
+        except Exception as e:
+            print(f"error: starting the private nats-server: {type(e).__name__}: {e}", file=sys.stderr)
+            return EXIT_FAILED
+        world = World(namespace=f"profile{secrets.token_hex(4)}", port=nats.port, run_dir=run_dir)
         try:
             t, worker_t, overrides = load(args, world)
         except (TopologyError, UsageError) as e:
@@ -331,23 +339,21 @@ async def run(args: argparse.Namespace, command: str) -> int:
         out = Path(args.out).expanduser() if args.out else profile_path(t, args.pool)
         return await _run(args, command, t, worker_t, overrides, world, out)
     finally:
-        shutil.rmtree(world.run_dir, ignore_errors=True)
+        # on Ctrl-C too: nothing of ours outlives the run
+        await nats.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 async def _run(args: argparse.Namespace, command: str, t: Topology, worker_t: Topology,
                overrides: list[str], world: World, out: Path) -> int:
     pool = worker_t.pools[args.pool]
-    nats = EmbeddedNats(port=world.port, store_dir=str(world.run_dir / "nats"),
-                        log_file=str(world.run_dir / "nats.log"), name="profile-nats")
     worker_log = world.run_dir / "worker.log"
     worker = ProcessChild(worker_child_id(args.pool, REPLICA), worker_argv(args.topology, args.pool, REPLICA),
                           env=worker_env(worker_t, pool, overrides), log_file=str(worker_log),
                           ready_timeout=60.0 if pool.engine == "mocker" else 900.0)
     bus: BusContext | None = None
-    stage = "starting the private nats-server"
+    stage = "starting the worker"
     try:
-        await nats.start()
-        stage = "starting the worker"
         log.info("starting a %s worker of pool %s (private namespace %s, log %s)", pool.engine, args.pool,
                  world.namespace, worker_log)
         await worker.start()
@@ -374,7 +380,6 @@ async def _run(args: argparse.Namespace, command: str, t: Topology, worker_t: To
             with contextlib.suppress(Exception):
                 await bus.close()
         await worker.stop(pool.supervisor.shutdown_timeout + pool.sleep.drain_timeout)
-        await nats.stop()
     print(f"wrote {out}", flush=True)
     return EXIT_OK
 

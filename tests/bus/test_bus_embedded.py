@@ -83,3 +83,25 @@ async def test_embedded_server_allows_large_payloads(nats_server) -> None:
         assert len(msg.data) == 3 * 1024 * 1024
     finally:
         await nc.close()
+
+
+async def test_port_0_binds_a_port_the_kernel_picks_and_keeps_it_across_a_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    srv = EmbeddedNats(port=0, store_dir=str(tmp_path / "js"))
+    await srv.start()
+    try:
+        port = srv.port
+        assert port > 0 and srv.url == f"nats://127.0.0.1:{port}"
+        nc = await connect(srv.url, "probe")
+        assert nc.is_connected
+        await srv.stop()
+        await srv.start()  # clients reconnect to the port they know
+        assert srv.port == port
+        await asyncio.wait_for(_until(lambda: nc.is_connected), 10)
+        await nc.close()
+    finally:
+        await srv.stop()
+
+
+async def _until(cond) -> None:  # type: ignore[no-untyped-def]
+    while not cond():
+        await asyncio.sleep(0.05)
