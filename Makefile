@@ -26,9 +26,11 @@ model: install
 run: model
 	$(PY) -m actors.supervisor $(TOPOLOGY)
 
-# systemd-analyze is needed by the unit-file tests; install it when missing.
+# systemd-analyze is needed by the unit-file tests, iproute2's `ip` by the multi-host tests (network
+# namespaces); install them when missing.
 test: install
 	@command -v systemd-analyze >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null)
+	@command -v ip >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null)
 	$(PY) -m actors.models.tiny
 	$(PY) -m pytest -q -p no:cacheprovider
 
