@@ -72,7 +72,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.docs_section import write_section  # noqa: E402
-from bench.proc_cpu import kill_leftovers, own_cpu, tree  # noqa: E402
+from bench.proc_cpu import kill_leftovers, machine_cpu, own_cpu, tree  # noqa: E402
 from bus.subjects import Subjects  # noqa: E402
 from tests.e2e.conftest import Deployment  # noqa: E402
 
@@ -216,15 +216,6 @@ async def one(session: aiohttp.ClientSession, url: str, r: Req, body: bytes, osl
 
 
 # --- watching the deployment -------------------------------------------------------------------------
-def machine_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    tick = os.sysconf("SC_CLK_TCK")
-    idle = v[3] + (v[4] if len(v) > 4 else 0)
-    return (sum(v) - idle) / tick, sum(v) / tick
-
-
 @dataclass
 class Sample:
     t: float  # trace seconds

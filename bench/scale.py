@@ -61,8 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.deployment import Deployment  # noqa: E402
 from bench.docs_section import write_section  # noqa: E402
-from bench.planner_bench import machine_cpu  # noqa: E402
-from bench.proc_cpu import cmdline, own_cpu, tree  # noqa: E402
+from bench.proc_cpu import cmdline, machine_cpu, own_cpu, tree  # noqa: E402
 from bench.proc_mem import rss_pss  # noqa: E402
 from bench.scale_stats import Histogram, growth, parse_histograms, percentile  # noqa: E402
 from bench.shared_prefix import WORDS  # noqa: E402
