@@ -73,6 +73,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.docs_section import write_section  # noqa: E402
 from bench.proc_cpu import kill_leftovers, machine_cpu, own_cpu, tree  # noqa: E402
+from bench.sse import SseStream  # noqa: E402
 from bus.subjects import Subjects  # noqa: E402
 from tests.e2e.conftest import Deployment  # noqa: E402
 
@@ -190,15 +191,8 @@ async def one(session: aiohttp.ClientSession, url: str, r: Req, body: bytes, osl
             if resp.status != 200:
                 r.error = f"HTTP {resp.status}: {(await resp.text())[:160]}"
                 return
-            done = False
-            async for line in resp.content:
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                event = json.loads(data)
+            sse = SseStream()
+            async for event in sse.events(resp.content):
                 if "error" in event:
                     r.error = str(event["error"].get("message", event["error"]))[:160]
                     continue
@@ -209,8 +203,8 @@ async def one(session: aiohttp.ClientSession, url: str, r: Req, body: bytes, osl
                     if r.ttft is None:
                         r.ttft = now
                     r.tokens.append(now)
-            if r.error is None and (not done or r.generated < osl):
-                r.error = f"{r.generated} of {osl} tokens{'' if done else ', no [DONE]'}"
+            if r.error is None and (not sse.done or r.generated < osl):
+                r.error = f"{r.generated} of {osl} tokens{'' if sse.done else ', no [DONE]'}"
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
         r.error = f"{type(e).__name__}: {e}"[:160]
 

@@ -65,6 +65,7 @@ from bench.proc_cpu import cmdline, machine_cpu, own_cpu, tree  # noqa: E402
 from bench.proc_mem import rss_pss  # noqa: E402
 from bench.scale_stats import Histogram, growth, parse_histograms, percentile  # noqa: E402
 from bench.shared_prefix import WORDS  # noqa: E402
+from bench.sse import SseStream  # noqa: E402
 from bus.embedded import EmbeddedNats, free_port  # noqa: E402
 from bus.subjects import Subjects  # noqa: E402
 
@@ -109,15 +110,8 @@ async def one(session: aiohttp.ClientSession, url: str, messages: list[dict[str,
             if r.status != 200:
                 out.error = f"HTTP {r.status}: {(await r.text())[:160]}"
                 return out
-            done = False
-            async for line in r.content:
-                if not line.startswith(b"data: "):
-                    continue
-                data = line[6:].strip()
-                if data == b"[DONE]":
-                    done = True
-                    break
-                event = json.loads(data)
+            sse = SseStream()
+            async for event in sse.events(r.content):
                 if "error" in event:
                     out.error = str(event["error"])[:160]
                     continue
@@ -126,8 +120,8 @@ async def one(session: aiohttp.ClientSession, url: str, messages: list[dict[str,
                 choices = event.get("choices") or []
                 if out.ttft is None and choices and "role" not in (choices[0].get("delta") or {}):
                     out.ttft = time.perf_counter() - t0
-            if out.error is None and (not done or out.tokens < osl):
-                out.error = f"{out.tokens} of {osl} tokens{'' if done else ', no [DONE]'}"
+            if out.error is None and (not sse.done or out.tokens < osl):
+                out.error = f"{out.tokens} of {osl} tokens{'' if sse.done else ', no [DONE]'}"
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as e:
         out.error = f"{type(e).__name__}: {e}"[:160]
     return out
