@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
 import os
 import struct
 import time
@@ -195,3 +196,43 @@ async def bus_admits(url: str, auth: Any, tls: Any = None) -> bool:
     await nc.flush()
     await nc.close()
     return True
+
+
+async def srv_ping(nc: Any, wait: float = 1.5) -> list[dict[str, Any]]:
+    """Every micro service's reply to ``$SRV.PING`` within ``wait`` seconds (what ``nats micro ls``
+    collects); ``nc`` is a connected nats-py client."""
+    import nats.errors
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish("$SRV.PING", b"", reply=inbox)
+    out = []
+    end = time.monotonic() + wait
+    while time.monotonic() < end:
+        try:
+            m = await sub.next_msg(timeout=0.2)
+        except nats.errors.TimeoutError:
+            continue
+        out.append(json.loads(m.data))
+    await sub.unsubscribe()
+    return out
+
+
+async def registry(nc: Any, ns: str) -> dict[str, dict[str, Any]]:
+    """The instance records of ``<ns>-instances`` (what ``nats kv ls``/``get`` show)."""
+    import nats.js.errors
+
+    kv = await nc.jetstream().key_value(f"{ns}-instances")
+    try:
+        keys = await kv.keys()
+    except nats.js.errors.NoKeysError:
+        return {}
+    out = {}
+    for k in keys:
+        try:
+            e = await kv.get(k)
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        if e.value:
+            out[k] = json.loads(e.value)
+    return out

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 from openai import APIError, AsyncOpenAI, OpenAI
 
 from tests.e2e.conftest import PREFILL_HEADER, WORKER_HEADER, Deployment, boot, http_json, http_text, shutdown
-from tests.helpers import openai_client
+from tests.helpers import openai_client, registry, srv_ping
 
 PROMPT = [{"role": "user", "content": "Tell me a long story about the sea and a lighthouse keeper."}]
 NO_EOS = {"ignore_eos": True}
@@ -39,40 +38,6 @@ async def nats_req(nc: nats.NATS, subject: str, body: dict[str, Any], timeout: f
     msg = await nc.request(subject, json.dumps(body).encode(), timeout=timeout)
     assert not (msg.headers or {}).get("Nats-Service-Error"), (msg.headers, msg.data)
     return json.loads(msg.data)
-
-
-async def srv_ping(nc: nats.NATS) -> list[dict[str, Any]]:
-    """Every micro service's ping reply (what ``nats micro ls`` collects)."""
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    await nc.publish("$SRV.PING", b"", reply=inbox)
-    out = []
-    end = time.monotonic() + 1.5
-    while time.monotonic() < end:
-        try:
-            m = await sub.next_msg(timeout=0.2)
-        except nats.errors.TimeoutError:
-            continue
-        out.append(json.loads(m.data))
-    await sub.unsubscribe()
-    return out
-
-
-async def registry(nc: nats.NATS, ns: str) -> dict[str, dict[str, Any]]:
-    kv = await nc.jetstream().key_value(f"{ns}-instances")
-    out = {}
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return {}
-    for k in keys:
-        try:
-            e = await kv.get(k)
-        except nats.js.errors.KeyNotFoundError:
-            continue
-        if e.value:
-            out[k] = json.loads(e.value)
-    return out
 
 
 def cancellations(d: Deployment, pool: str, replicas: int) -> float:

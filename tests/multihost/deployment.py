@@ -27,6 +27,7 @@ import nats
 import nats.errors
 import nats.js.errors
 
+from tests.helpers import registry
 from tests.multihost.netns import Hosts, NetnsLoop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -100,41 +101,6 @@ async def chat(session: aiohttp.ClientSession, max_tokens: int, prompt: str, *,
 async def health(session: aiohttp.ClientSession) -> tuple[int, dict[str, Any]]:
     async with session.get(f"http://127.0.0.1:{HTTP_PORT}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
         return r.status, await r.json(content_type=None)
-
-
-async def registry(nc: nats.NATS, ns: str) -> dict[str, dict[str, Any]]:
-    """The instance records of ``<ns>-instances`` (what ``nats kv ls``/``get`` show)."""
-    kv = await nc.jetstream().key_value(f"{ns}-instances")
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return {}
-    out = {}
-    for k in keys:
-        try:
-            e = await kv.get(k)
-        except nats.js.errors.KeyNotFoundError:
-            continue
-        if e.value:
-            out[k] = json.loads(e.value)
-    return out
-
-
-async def srv_ping(nc: nats.NATS, wait: float = 1.5) -> list[dict[str, Any]]:
-    """Every micro service's reply to ``$SRV.PING`` (what ``nats micro ls`` collects)."""
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    await nc.publish("$SRV.PING", b"", reply=inbox)
-    out = []
-    end = time.monotonic() + wait
-    while time.monotonic() < end:
-        try:
-            m = await sub.next_msg(timeout=0.2)
-        except nats.errors.TimeoutError:
-            continue
-        out.append(json.loads(m.data))
-    await sub.unsubscribe()
-    return out
 
 
 class HostsDeployment:

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import nats
 import pytest
 
-from tests.multihost.deployment import BUS_PORT, ROOT, HostsDeployment, Stream, registry, srv_ping
+from tests.helpers import registry, srv_ping
+from tests.multihost.deployment import BUS_PORT, ROOT, HostsDeployment, Stream
 from tests.multihost.netns import Hosts
 
 TOPOLOGY = ROOT / "topologies" / "mocker-multihost.toml"
