@@ -27,6 +27,18 @@ def run_dir(t: Topology) -> Path:
     return Path(DEFAULT_HOME).expanduser() / "run" / t.namespace
 
 
+def nats_store(t: Topology, host: str) -> Path:
+    """The JetStream store of ``host``'s embedded nats-server: ``bus.store_dir``, else
+    ``<run_dir>/nats-<bus port>`` (a host tells deployments of one namespace apart by their port).
+    A cluster member's store is its own (``<store_dir>/<host>``, ``<run_dir>/nats-<host>-<port>``):
+    hosts may share a file system, and one store is one server's."""
+    cluster = t.bus.cluster is not None
+    if t.bus.store_dir:
+        base = Path(t.bus.store_dir).expanduser()
+        return base / host if cluster else base
+    return run_dir(t) / (f"nats-{host}-{t.bus.port}" if cluster else f"nats-{t.bus.port}")
+
+
 def profile_dir(t: Topology) -> Path:
     """Where the planner's profiles live: ``planner.profile_dir``, else ``<run_dir>/profiles``."""
     if t.planner.profile_dir:

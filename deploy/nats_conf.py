@@ -137,6 +137,8 @@ def describe(bus: BusConfig) -> str:
     """Who the server admits, for --check and the boot log (never a secret)."""
     who = (f"users of {bus.server_config}" if bus.server_config
            else f"{bus.auth.kind()} auth" if bus.auth.kind() else "no auth, loopback only")
+    if bus.cluster is not None:
+        who = f"clients: {who}"  # routes are another matter, described below
     tls = bus.tls is not None and bool(bus.tls.server_cert_file and bus.tls.server_key_file)
     who += (", TLS" + (" with client certificates" if bus.tls and bus.tls.verify_clients else "")
             if tls else "")

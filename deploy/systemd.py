@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from bus.embedded import nats_server_binary
+from config.paths import nats_store
 from config.topology import Topology
 from config.workers import server_name
 from deploy import nats_conf
@@ -74,7 +75,7 @@ def nats_store_dir(topology: Topology, host: str | None = None) -> tuple[str, st
     systemd create /var/lib/vllm-actors/<ns>/nats (a cluster member: nats-<host>) owned by the
     unit's user."""
     if topology.bus.store_dir:
-        return os.path.abspath(topology.bus.store_dir), None
+        return os.path.abspath(nats_store(topology, host or "")), None
     member = f"-{host}" if host is not None and topology.bus.cluster is not None else ""
     state = f"{UNIT_PREFIX}/{topology.namespace}/nats{member}"
     return f"/var/lib/{state}", state

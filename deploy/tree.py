@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from config.paths import profile_dir, profile_path, run_dir
+from config.paths import nats_store, profile_dir, profile_path
 from config.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
 from config.workers import bus_url, embeds_nats, kv_replicas, server_name
 from deploy import nats_conf
@@ -215,10 +215,8 @@ def _nats_node(t: Topology, host: str) -> Node:
     """This host's embedded nats-server: the deployment's bus, or with ``bus.cluster`` this host's
     member of the cluster (a name that stays the same across restarts, its own store dir: hosts
     of one cluster may share a file system, as the namespace tests do)."""
-    cluster = t.bus.cluster is not None
-    # one store per deployment: a host tells deployments of one namespace apart by their bus port
-    store = t.bus.store_dir or str(run_dir(t) / (f"nats-{host}-{t.bus.port}" if cluster else f"nats-{t.bus.port}"))
-    name = server_name(t, host) if cluster else None
+    store = str(nats_store(t, host))
+    name = server_name(t, host) if t.bus.cluster is not None else None
 
     def start() -> Child:
         from bus.embedded import EmbeddedNats

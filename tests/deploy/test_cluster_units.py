@@ -142,7 +142,7 @@ def test_routes_use_the_server_certificate_when_the_bus_has_tls(tmp_path: Path) 
 
 def test_describe_names_the_cluster_but_never_its_password() -> None:
     words = nats_conf.describe(BusConfig(cluster=BusCluster(servers=SERVERS, password=PASSWORD)))
-    assert words == ("no auth, loopback only; cluster of 3 (a 10.0.0.1, b 10.0.0.2, c fd00::3), "
+    assert words == ("clients: no auth, loopback only; cluster of 3 (a 10.0.0.1, b 10.0.0.2, c fd00::3), "
                      "routes on port 6222 as user route")
 
 
@@ -186,14 +186,15 @@ def test_emit_systemd_writes_one_nats_member_per_host(tmp_path: Path, monkeypatc
     assert names == {"dynamo-a", "dynamo-b", "dynamo-c"}
 
 
-def test_an_explicit_store_dir_is_every_members_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """bus.store_dir is the operator's choice: every host's unit uses it (each on its own machine)."""
+def test_an_explicit_store_dir_holds_one_store_per_member(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bus.store_dir is the operator's choice; each host's server keeps its store in its own
+    subdirectory of it, so hosts sharing a file system never share a store."""
     monkeypatch.setenv(ROUTE_ENV, PASSWORD)
     t = load_topology(MULTIHOST, [f"bus.store_dir={tmp_path / 'js'}"])
     emit_units(t, MULTIHOST, tmp_path / "u", python=sys.executable)
     for h in "abc":
         nats = _parse(tmp_path / "u" / f"vllm-actors-dynamo-{h}-nats.service")
-        assert f"-sd {tmp_path / 'js'} " in nats["Service"]["ExecStart"]
+        assert f"-sd {tmp_path / 'js' / h} " in nats["Service"]["ExecStart"]
         assert "StateDirectory" not in nats["Service"]
 
 
@@ -248,3 +249,18 @@ def test_cli_check_works_without_host_and_names_the_cluster() -> None:
     for h, line in zip("abc", nats_lines, strict=True):
         assert f"named dynamo-{h} " in line and f"/nats-{h}-4222)" in line
     assert CLI_PASSWORD not in r.stdout  # the route password is never printed
+
+
+def test_each_member_has_its_own_store_even_under_an_explicit_store_dir(tmp_path: Path) -> None:
+    """Hosts of one cluster may share a file system (the namespace tests do): one store per server."""
+    from config.loader import topology_from_dict
+    from config.paths import nats_store
+
+    cluster = {"servers": {"a": "10.0.0.1", "b": "10.0.0.2"}, "insecure": True}
+    bare = {"namespace": "mh", "run_dir": str(tmp_path / "run"), "frontend": {"enabled": False}}
+    t = topology_from_dict({**bare, "bus": {"store_dir": str(tmp_path / "js"), "cluster": cluster}})
+    assert nats_store(t, "a") == tmp_path / "js" / "a" and nats_store(t, "b") == tmp_path / "js" / "b"
+    t = topology_from_dict({**bare, "bus": {"cluster": cluster}})
+    assert {nats_store(t, h) for h in "ab"} == {tmp_path / "run" / "nats-a-4222", tmp_path / "run" / "nats-b-4222"}
+    one = topology_from_dict({**bare, "bus": {"store_dir": str(tmp_path / "js")}})
+    assert nats_store(one, "local") == tmp_path / "js"  # one server: the store as given
