@@ -33,6 +33,7 @@ STALL_TIMEOUT = "Stall-Timeout"
 # JetStream's account info request: answered once JetStream is available (a cluster: a meta leader)
 JS_API_INFO = "$JS.API.INFO"
 
+
 class Subjects:
     """Subjects of one namespace."""
 
