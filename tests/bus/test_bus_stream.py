@@ -130,9 +130,11 @@ async def test_caller_gone_without_cancel_subject_stops_generator(bus: BusContex
 
 
 async def test_heartbeats_keep_a_slow_stream_alive(bus: BusContext, responder: Responder) -> None:
-    # 0.5 s between chunks > 0.4 s stall timeout: only heartbeats (every ~0.13 s) keep it alive.
-    got = [c["i"] async for c in stream_request(bus.nc, responder.subject, {"n": 3, "interval": 0.5},
-                                                 stall_timeout=0.4)]
+    # 1.2 s between chunks > 0.8 s stall timeout: only heartbeats (every ~0.27 s) keep it alive.
+    # (0.5 s / 0.4 s left the caller's liveness probe ~0.25 s to be answered: too little on a loaded
+    # 2-core CI machine, where it failed twice.)
+    got = [c["i"] async for c in stream_request(bus.nc, responder.subject, {"n": 3, "interval": 1.2},
+                                                 stall_timeout=0.8)]
     assert got == [0, 1, 2]
 
 
