@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from config import secrets
-from config.topology import BusAuth, BusConfig, FrontendConfig
+from config.topology import BusAuth, BusCluster, BusConfig, FrontendConfig
 
 Fail = Callable[[str, str], Any]  # (key path, problem) -> raises TopologyError
 
@@ -22,22 +22,34 @@ def _readable(path: str | None, key: str, fail: Fail) -> None:
         fail(key, f"cannot read {path}")
 
 
+def _passwords(a: BusAuth | BusCluster, key: str, fail: Fail, named: str = "") -> list[str]:
+    """Where the password comes from: at most one of value, file, environment.
+    ``named``: how the message names the setting already given (a prefix of its field name)."""
+    given = [n for n in ("password", "password_file", "password_env") if getattr(a, n) is not None]
+    if len(given) > 1:
+        fail(f"{key}.{given[1]}", f"{named}{given[0]} is already set")
+    return given
+
+
+def _read(fail: Fail, *read: Callable[[], object]) -> None:
+    """Read the secrets now: a missing file or variable is a usage error naming the setting."""
+    try:
+        for r in read:
+            r()
+    except secrets.SecretError as e:
+        setting, _, problem = str(e).partition(": ")
+        fail(setting, problem)
+
+
 def _check_auth(a: BusAuth, key: str, fail: Fail) -> None:
     methods = [n for n in ("token", "token_file", "token_env", "user", "nkey_seed", "creds")
                if getattr(a, n) is not None]
     if len(methods) > 1:
         fail(f"{key}.{methods[1]}", f"choose one auth method; {methods[0]} is already set")
-    passwords = [n for n in ("password", "password_file", "password_env") if getattr(a, n) is not None]
-    if len(passwords) > 1:
-        fail(f"{key}.{passwords[1]}", f"{passwords[0]} is already set")
+    passwords = _passwords(a, key, fail)
     if (a.user is None) != (not passwords):
         fail(f"{key}.password" if a.user else f"{key}.user", "user and password go together")
-    try:
-        secrets.token(a, key)
-        secrets.password(a, key)
-    except secrets.SecretError as e:
-        setting, _, problem = str(e).partition(": ")
-        fail(setting, problem)
+    _read(fail, lambda: secrets.token(a, key), lambda: secrets.password(a, key))
     for field in ("nkey_seed", "creds"):
         _readable(getattr(a, field), f"{key}.{field}", fail)
 
@@ -71,15 +83,19 @@ def check_bus(b: BusConfig, fail: Fail) -> None:
             _readable(getattr(tls, field), f"bus.tls.{field}", fail)
 
 
+def check_cluster_credentials(c: BusCluster, fail: Fail) -> None:
+    """Routes listen on a routable address: a password is required unless ``insecure``."""
+    if not _passwords(c, "bus.cluster", fail, named="bus.cluster.") and not c.insecure:
+        fail("bus.cluster.password_file", "routes listen on a routable address: give them a password "
+             "(password_file or password_env), or set bus.cluster.insecure = true on a trusted network")
+    _read(fail, lambda: secrets.password(c, "bus.cluster"))
+
+
 def check_api_key(fe: FrontendConfig, fail: Fail) -> None:
     given = [n for n in ("api_key", "api_key_file", "api_key_env") if getattr(fe, n) is not None]
     if len(given) > 1:
         fail(f"frontend.{given[1]}", f"choose one; frontend.{given[0]} is already set")
-    try:
-        secrets.resolve(fe.api_key, fe.api_key_file, fe.api_key_env, "frontend.api_key")
-    except secrets.SecretError as e:
-        setting, _, problem = str(e).partition(": ")
-        fail(setting, problem)
+    _read(fail, lambda: secrets.resolve(fe.api_key, fe.api_key_file, fe.api_key_env, "frontend.api_key"))
     if fe.metrics_auth and not given:
         fail("frontend.metrics_auth", "protects /metrics with the API key: set frontend.api_key_file "
              "(or api_key_env, api_key)")

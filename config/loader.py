@@ -18,9 +18,8 @@ from typing import Any
 
 import msgspec
 
-from config.credentials import check_api_key, check_bus
+from config.credentials import check_api_key, check_bus, check_cluster_credentials
 from config.names import check_token
-from config.secrets import SecretError, password
 from config.topology import PoolConfig, Topology
 
 _BUS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
@@ -352,17 +351,7 @@ def _check_cluster(t: Topology, fail: Any, token: Any, port: Any) -> None:
         fail("bus.kv_replicas", f"{b.kv_replicas} replicas need as many servers; the cluster has {len(c.servers)}")
     if c.name is not None:
         token("bus.cluster.name", c.name, "cluster name")
-    given = [n for n in ("password", "password_file", "password_env") if getattr(c, n) is not None]
-    if len(given) > 1:
-        fail(f"bus.cluster.{given[1]}", f"bus.cluster.{given[0]} is already set")
-    if not given and not c.insecure:
-        fail("bus.cluster.password_file", "routes listen on a routable address: give them a password "
-             "(password_file or password_env), or set bus.cluster.insecure = true on a trusted network")
-    try:
-        password(c, "bus.cluster")
-    except SecretError as e:
-        setting, _, problem = str(e).partition(": ")
-        fail(setting, problem)
+    check_cluster_credentials(c, fail)
     if b.url is None:
         # processes connect to their own host's server: a host without one would have no bus
         missing = [h for h in t.hosts() if h not in c.servers]
