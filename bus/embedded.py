@@ -201,6 +201,7 @@ class EmbeddedNats:
     _stopping: bool = field(default=False, init=False)
     _server_name: str = field(default="", init=False)
     _pick_port: bool = field(default=False, init=False)
+    _ports_file: str = field(default="", init=False)  # where a port-0 server reports its port
 
     def __post_init__(self) -> None:
         self._server_name = f"{self.name}-{self.port}"
@@ -258,6 +259,8 @@ class EmbeddedNats:
             self._release()
             raise
         self._lock.record(server_pid=self._proc.pid)
+        # nats-server names it <executable>_<pid>.ports
+        self._ports_file = os.path.join(self.store_dir, f"{os.path.basename(cmd[0])}_{self._proc.pid}.ports")
 
     def _release(self) -> None:
         """Give up the store once our server is gone (or never started), so that a restart of this
@@ -267,10 +270,8 @@ class EmbeddedNats:
 
     def _bound_port(self) -> int:
         """The client port the server reported in its ports file (0: not written yet)."""
-        assert self._proc is not None and self.store_dir is not None
-        path = os.path.join(self.store_dir, f"{os.path.basename(nats_server_binary())}_{self._proc.pid}.ports")
         try:
-            with open(path, encoding="utf-8") as f:
+            with open(self._ports_file, encoding="utf-8") as f:
                 url = json.load(f)["nats"][0]
         except (OSError, ValueError, KeyError, IndexError):
             return 0

@@ -32,10 +32,15 @@ def host_unit_name(topology: Topology, host: str) -> str:
     return f"{UNIT_PREFIX}-{topology.namespace}-{host}.service"
 
 
+def _member(topology: Topology, host: str | None) -> str | None:
+    """``host`` when its nats unit is a cluster member's, None for the machine's one bus."""
+    return host if topology.bus.cluster is not None else None
+
+
 def _nats_stem(topology: Topology, host: str | None) -> str:
     """``vllm-actors-<ns>[-<host>]-nats``: one bus per machine, or one cluster member per host."""
-    member = f"-{host}" if host is not None and topology.bus.cluster is not None else ""
-    return f"{UNIT_PREFIX}-{topology.namespace}{member}-nats"
+    member = _member(topology, host)
+    return f"{UNIT_PREFIX}-{topology.namespace}{f'-{member}' if member else ''}-nats"
 
 
 def nats_unit_name(topology: Topology, host: str | None = None) -> str:
@@ -76,8 +81,8 @@ def nats_store_dir(topology: Topology, host: str | None = None) -> tuple[str, st
     unit's user."""
     if topology.bus.store_dir:
         return os.path.abspath(nats_store(topology, host or "")), None
-    member = f"-{host}" if host is not None and topology.bus.cluster is not None else ""
-    state = f"{UNIT_PREFIX}/{topology.namespace}/nats{member}"
+    member = _member(topology, host)
+    state = f"{UNIT_PREFIX}/{topology.namespace}/nats{f'-{member}' if member else ''}"
     return f"/var/lib/{state}", state
 
 
@@ -88,11 +93,11 @@ def nats_conf_name(topology: Topology, host: str | None = None) -> str:
 def render_nats_unit(topology: Topology, topology_path: Path, conf: Path, host: str | None = None) -> str:
     s = topology.systemd
     store, state_dir = nats_store_dir(topology, host)
-    member = host is not None and topology.bus.cluster is not None
-    name = server_name(topology, host) if member and host is not None else f"{topology.namespace}-nats"
+    member = _member(topology, host)
+    name = server_name(topology, member) if member else f"{topology.namespace}-nats"
     argv = [nats_server_path(), "-c", str(conf), "-js", "-sd", store, "-a", "127.0.0.1",
             "-p", str(topology.bus.port), "-n", name]
-    what = f"host {host}'s member of the NATS cluster" if member else "embedded NATS bus"
+    what = f"host {member}'s member of the NATS cluster" if member else "embedded NATS bus"
     return _render({
         "Unit": [
             ("Description", f"vllm-actors {topology.namespace}: {what} (JetStream)"),
