@@ -13,10 +13,13 @@ import asyncio
 import contextlib
 import secrets
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import quote
 
+import nats.errors
+import nats.js.errors
 import pytest
 
 from bus.context import BusContext, open_context
@@ -28,6 +31,7 @@ from deploy import nats_conf
 SERVERS = {"a": "127.0.0.1", "b": "127.0.0.2", "c": "127.0.0.3"}
 OUTSIDER = "127.0.0.4"  # not a server of the cluster: nobody routes to it
 PASSWORD = 'r@ute:p/w "x"'  # the servers admit each other only if it survives URL and config quoting
+T = TypeVar("T")
 ELECTION_TIMEOUT = 30.0  # generous: a shared 2-core machine; nothing asserts on speed
 
 
@@ -81,6 +85,20 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
         yield c
     finally:
         await c.close()
+
+
+async def _through_election(read: Callable[[], Awaitable[T]]) -> T:
+    """``read()``, asked again while JetStream is still electing after a server's loss: listing keys
+    creates a consumer, which needs the meta leader (that server may have been it). The registry's
+    own readers retry the same way (``actors.instances.watch.BucketWatch``)."""
+    deadline = asyncio.get_running_loop().time() + ELECTION_TIMEOUT
+    while True:
+        try:
+            return await read()
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError):
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 async def _jetstream(ctx: BusContext) -> None:
@@ -138,8 +156,8 @@ async def test_registry_buckets_are_replicated_and_survive_losing_their_leader(c
         cluster.servers[leader].kill_now()
         await writer.register("w2", b"two")
         assert await asyncio.wait_for(events.get(), ELECTION_TIMEOUT) == RegistryEvent("added", "w2", b"two")
-        assert await writer.items() == {"w1": b"one", "w2": b"two"}
-        info = await writer.js.stream_info(f"KV_{bucket}")
+        assert await _through_election(writer.items) == {"w1": b"one", "w2": b"two"}
+        info = await _through_election(lambda: writer.js.stream_info(f"KV_{bucket}"))
         assert info.cluster is not None and info.cluster.leader != f"{cluster.namespace}-{leader}"
     finally:
         watch.cancel()
