@@ -53,7 +53,8 @@ class Deployment:
         self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
-    async def wait_ready(self, session: aiohttp.ClientSession, workers: int, timeout: float) -> None:
+    async def wait_ready(self, session: aiohttp.ClientSession, workers: int, timeout: float,
+                         poll: float = 0.5) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -65,7 +66,7 @@ class Deployment:
                         return
             except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError):
                 pass
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(poll)
         raise TimeoutError(f"{workers} workers not ready after {timeout}s; see {self.log_path}")
 
     def stop(self) -> None:

@@ -147,24 +147,6 @@ async def bus_request(bus_url: str, subject: str, timeout: float = 10.0) -> Any:
         await nc.close()
 
 
-async def wait_ready(session: aiohttp.ClientSession, dep: Deployment, n: int, timeout: float) -> None:
-    """Until /health is 200 listing ``n`` instances (polled every 0.25 s)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        assert dep.proc is not None
-        if dep.proc.poll() is not None:
-            raise RuntimeError(f"supervisor exited ({dep.proc.returncode}); see {dep.log_path}")
-        try:
-            async with session.get(dep.url + "/health") as r:
-                body = await r.json(content_type=None)
-                if r.status == 200 and len(body.get("instances", [])) >= n:
-                    return
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            pass
-        await asyncio.sleep(0.25)
-    raise TimeoutError(f"{n} workers not ready after {timeout:.0f} s; see {dep.log_path}")
-
-
 def count_in_logs(run_dir: pathlib.Path, needle: bytes) -> int:
     """Occurrences of ``needle`` in the run dir's log files (the supervisor's output included)."""
     hits = 0
@@ -205,7 +187,7 @@ async def measure(dep: Deployment, bus: EmbeddedNats, monitor: str, n: int, a: a
     res: dict[str, Any] = {"n": n}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=300)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
-        await wait_ready(s, dep, n, a.ready_timeout)
+        await dep.wait_ready(s, n, a.ready_timeout, poll=0.25)
         res["ready_s"] = round(time.monotonic() - t_start, 2)  # from the supervisor's start
         kids = (await bus_request(bus_url, subjects.supervisor(HOST, "children")))["children"]
         workers = [c for c in kids if c["id"].startswith("worker-")]
@@ -222,17 +204,21 @@ async def measure(dep: Deployment, bus: EmbeddedNats, monitor: str, n: int, a: a
         procs = processes(dep.proc.pid)
         cpu_pids = {"root": procs["root"], "workers": procs["workers"], "nats": [bus.pid],
                     "client": [os.getpid()]}
+
+        def cpu() -> dict[str, float]:
+            return {k: sum(own_cpu(p) for p in ps) for k, ps in cpu_pids.items()}
+
         # idle: what N workers cost with no request (heartbeats, load reports, registry)
         v0 = await get_json(s, monitor + "/varz")
-        i0 = {k: sum(own_cpu(p) for p in ps) for k, ps in cpu_pids.items()}
+        i0 = cpu()
         await asyncio.sleep(IDLE_S)
-        i1 = {k: sum(own_cpu(p) for p in ps) for k, ps in cpu_pids.items()}
+        i1 = cpu()
         v1 = await get_json(s, monitor + "/varz")
         res["bus_idle_per_s"] = {k: (v1[k] - v0[k]) / IDLE_S for k in VARZ}
         res["cpu_idle_pct"] = {k: 100 * (i1[k] - i0[k]) / IDLE_S for k in i0}
 
         h0 = parse_histograms(await get_text(s, dep.url + "/metrics"))
-        c0 = {k: sum(own_cpu(p) for p in ps) for k, ps in cpu_pids.items()}
+        c0 = cpu()
         b0 = await get_json(s, monitor + "/varz")
         m0 = machine_cpu()
         t0 = time.perf_counter()
@@ -240,7 +226,7 @@ async def measure(dep: Deployment, bus: EmbeddedNats, monitor: str, n: int, a: a
         wall = time.perf_counter() - t0
         m1 = machine_cpu()
         b1 = await get_json(s, monitor + "/varz")
-        c1 = {k: sum(own_cpu(p) for p in ps) for k, ps in cpu_pids.items()}
+        c1 = cpu()
         h1 = parse_histograms(await get_text(s, dep.url + "/metrics"))
 
     errors = [o.error for o in outs if o.error]
@@ -332,6 +318,17 @@ def _pair(x: float, y: float, nd: int = 1) -> str:
     return f"{fmt(x, nd)} / {fmt(y, nd)}"
 
 
+def _pair_row(label: str, section: str, first: str, second: str, *, nd: int = 1, scale: float = 1.0,
+              fit: str | None = None, sub: str | None = None) -> Row:
+    """A row showing ``r[section][(sub)][first] / ...[second]`` (each divided by ``scale``), fitted on
+    ``fit`` (one of the two keys) or not fitted."""
+    def part(r: dict[str, Any]) -> dict[str, Any]:
+        return r[section][sub] if sub else r[section]
+
+    return (label, lambda r: _pair(part(r)[first] / scale, part(r)[second] / scale, nd), 0,
+            (lambda r: part(r)[fit]) if fit else None)
+
+
 # (label, the value shown, decimals, the value fitted for the growth reading or None)
 Row = tuple[str, Callable[[dict[str, Any]], Any], int, Callable[[dict[str, Any]], float | None] | None]
 ROWS: list[Row] = [
@@ -344,40 +341,28 @@ ROWS: list[Row] = [
     ("TTFT p99, ms", lambda r: r["ttft_p99_ms"], 0, lambda r: r["ttft_p99_ms"]),
     ("router decision mean, ms (exact)", lambda r: r["router"]["decision"]["mean_ms"], 3,
      lambda r: r["router"]["decision"]["mean_ms"]),
-    ("router decision p50 / p99, ms (buckets)",
-     lambda r: _pair(r["router"]["decision"]["p50_ms"], r["router"]["decision"]["p99_ms"], 3), 0,
-     lambda r: r["router"]["decision"]["p99_ms"]),
-    ("  of which scheduling mean / p99, ms",
-     lambda r: _pair(r["router"]["scheduling"]["mean_ms"], r["router"]["scheduling"]["p99_ms"], 3), 0,
-     lambda r: r["router"]["scheduling"]["mean_ms"]),
+    _pair_row("router decision p50 / p99, ms (buckets)", "router", "p50_ms", "p99_ms", sub="decision", nd=3,
+              fit="p99_ms"),
+    _pair_row("  of which scheduling mean / p99, ms", "router", "mean_ms", "p99_ms", sub="scheduling", nd=3,
+              fit="mean_ms"),
     ("index: distinct blocks", lambda r: r["index"]["blocks"], 0, lambda r: r["index"]["blocks"]),
     ("index: (block, worker) pairs", lambda r: r["index"]["pairs"], 0, lambda r: r["index"]["pairs"]),
-    ("bus msgs in / out per request",
-     lambda r: _pair(r["bus_per_request"]["in_msgs"], r["bus_per_request"]["out_msgs"]), 0,
-     lambda r: r["bus_per_request"]["out_msgs"]),
-    ("bus KiB in / out per request",
-     lambda r: _pair(r["bus_per_request"]["in_bytes"] / 1024, r["bus_per_request"]["out_bytes"] / 1024), 0,
-     lambda r: r["bus_per_request"]["out_bytes"]),
-    ("bus msgs in / out per s, idle",
-     lambda r: _pair(r["bus_idle_per_s"]["in_msgs"], r["bus_idle_per_s"]["out_msgs"], 0), 0,
-     lambda r: r["bus_idle_per_s"]["out_msgs"]),
-    ("worker RSS / PSS, MiB each (mean)",
-     lambda r: _pair(r["memory"]["worker"]["rss_mib"], r["memory"]["worker"]["pss_mib"], 0), 0,
-     lambda r: r["memory"]["worker"]["pss_mib"]),
-    ("workers' RSS / PSS, MiB total",
-     lambda r: _pair(r["memory"]["worker"]["rss_total_mib"], r["memory"]["worker"]["pss_total_mib"], 0), 0,
-     lambda r: r["memory"]["worker"]["pss_total_mib"]),
-    ("root (frontend + router) RSS / PSS, MiB",
-     lambda r: _pair(r["memory"]["root"]["rss_mib"], r["memory"]["root"]["pss_mib"], 0), 0,
-     lambda r: r["memory"]["root"]["pss_mib"]),
+    _pair_row("bus msgs in / out per request", "bus_per_request", "in_msgs", "out_msgs", fit="out_msgs"),
+    _pair_row("bus KiB in / out per request", "bus_per_request", "in_bytes", "out_bytes", scale=1024,
+              fit="out_bytes"),
+    _pair_row("bus msgs in / out per s, idle", "bus_idle_per_s", "in_msgs", "out_msgs", nd=0, fit="out_msgs"),
+    _pair_row("worker RSS / PSS, MiB each (mean)", "memory", "rss_mib", "pss_mib", sub="worker", nd=0,
+              fit="pss_mib"),
+    _pair_row("workers' RSS / PSS, MiB total", "memory", "rss_total_mib", "pss_total_mib", sub="worker", nd=0,
+              fit="pss_total_mib"),
+    _pair_row("root (frontend + router) RSS / PSS, MiB", "memory", "rss_mib", "pss_mib", sub="root", nd=0,
+              fit="pss_mib"),
     ("root (frontend) CPU ms per request", lambda r: 1e3 * r["cpu_s"]["root"] / r["requests"], 2,
      lambda r: r["cpu_s"]["root"] / r["requests"]),
     ("root (frontend) CPU, % of one core over the phase", lambda r: 100 * r["cpu_s"]["root"] / r["wall_s"], 0,
      lambda r: r["cpu_s"]["root"] / r["wall_s"]),
     ("workers' CPU s, request phase", lambda r: r["cpu_s"]["workers"], 1, lambda r: r["cpu_s"]["workers"]),
-    ("workers' / root CPU % of one core, idle",
-     lambda r: _pair(r["cpu_idle_pct"]["workers"], r["cpu_idle_pct"]["root"]), 0,
-     lambda r: r["cpu_idle_pct"]["workers"]),
+    _pair_row("workers' / root CPU % of one core, idle", "cpu_idle_pct", "workers", "root", fit="workers"),
     ("machine CPU busy over the phase / of which other jobs, % of all cores",
      lambda r: _pair(r["machine_busy_pct"], r.get("others_pct"), 0), 0, None),
     ("nats-server / client CPU s, request phase", lambda r: _pair(r["cpu_s"]["nats"], r["cpu_s"]["client"]), 0,
@@ -385,21 +370,19 @@ ROWS: list[Row] = [
 ]
 
 
-def _fits(sizes: dict[str, dict[str, Any]], ns: list[str]) -> list[tuple[str, Any]]:
-    """(label, Growth) of every fitted row that has a fit."""
-    out = []
-    for label, _, _, fit in ROWS:
-        if fit is not None:
-            out.append((label, growth([int(n) for n in ns], [fit(sizes[n]) for n in ns])))
-    return out
+def _fits(sizes: dict[str, dict[str, Any]], ns: list[str]) -> dict[str, Any]:
+    """label -> Growth (or None) of every fitted row."""
+    return {label: growth([int(n) for n in ns], [fit(sizes[n]) for n in ns])
+            for label, _, _, fit in ROWS if fit is not None}
 
 
 def table(sizes: dict[str, dict[str, Any]]) -> list[str]:
     ns = sorted(sizes, key=int)
+    fits = _fits(sizes, ns)
     lines = ["| N workers | " + " | ".join(ns) + " | growth N^b: b (shape) |",
              "|---|" + "---|" * len(ns) + "---|"]
-    for label, show, nd, fit in ROWS:
-        g = growth([int(n) for n in ns], [fit(sizes[n]) for n in ns]) if fit is not None else None
+    for label, show, nd, _ in ROWS:
+        g = fits.get(label)
         cell = f"{g.exponent:.2f} ({g.shape})" if g else ""
         lines.append(f"| {label} | " + " | ".join(fmt(show(sizes[n]), nd) for n in ns) + f" | {cell} |")
     return lines
@@ -408,7 +391,7 @@ def table(sizes: dict[str, dict[str, Any]]) -> list[str]:
 def reading(sizes: dict[str, dict[str, Any]]) -> list[str]:
     ns = sorted(sizes, key=int)
     shapes: dict[str, list[str]] = {}
-    for label, g in _fits(sizes, ns):
+    for label, g in _fits(sizes, ns).items():
         if g:
             shapes.setdefault(g.shape, []).append(f"{label.strip()} (b = {g.exponent:.2f}, ×{g.ratio:.2f} "
                                                   f"for ×{g.n_ratio:.0f} workers)")
