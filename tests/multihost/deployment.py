@@ -116,7 +116,7 @@ class HostsDeployment:
         # the cluster's addresses are this run's namespaces' (cluster=False: a one-host deployment)
         self.sets = [f"namespace={self.namespace}", f"run_dir={tmp / 'run'}",
                      *([f"bus.cluster.servers={{ {servers} }}"] if cluster else []), *(sets or [])]
-        # a private HOME: models and run state of this test only, the built tiny model shared
+        # run state in this run's run_dir (set above); the machine's built tiny model is shared
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.procs: dict[str, subprocess.Popen[Any]] = {}
         self.loops: dict[str, NetnsLoop] = {}
