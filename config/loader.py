@@ -20,7 +20,7 @@ import msgspec
 
 from config.credentials import check_api_key, check_bus, check_cluster_credentials
 from config.names import check_token
-from config.topology import PoolConfig, Topology
+from config.topology import ModelConfig, PoolConfig, Topology
 
 _BUS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -278,6 +278,7 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
     if t.model is not None:
         positive("model.migration_limit", t.model.migration_limit, zero_ok=True)
         positive("model.context_length", t.model.context_length)
+        _check_parsers(t.model, fail)
 
     if t.frontend.enabled:
         token("frontend.host", t.frontend.host, "host name")
@@ -376,6 +377,29 @@ def _check_supervisor(s: Any, prefix: str, fail: Any, positive: Any) -> None:
         fail(f"{prefix}.backoff.multiplier", f"expected a number >= 1, got {b.multiplier}")
     if not 0 <= b.jitter <= 1:
         fail(f"{prefix}.backoff.jitter", f"expected a fraction in [0, 1], got {b.jitter}")
+
+
+def _check_parsers(model: ModelConfig, fail: Any) -> None:
+    """Parser names against vLLM's registries. vLLM is imported only when a parser is named: its
+    parser packages take seconds to import, which every other topology is spared."""
+    if model.text_mode and (model.tool_call_parser or model.reasoning_parser):
+        key = "model.tool_call_parser" if model.tool_call_parser else "model.reasoning_parser"
+        fail(key, "parsers read the model's token ids with its tokenizer at the frontend, and "
+                  "model.text_mode keeps the tokenizer off the frontend: use one or the other")
+    if model.tool_call_parser:
+        from vllm.tool_parsers import ToolParserManager
+
+        names = ToolParserManager.list_registered()
+        if model.tool_call_parser not in names:
+            fail("model.tool_call_parser", f"unknown tool-call parser {model.tool_call_parser!r} "
+                                           f"(vLLM's are: {', '.join(sorted(names))})")
+    if model.reasoning_parser:
+        from vllm.reasoning import ReasoningParserManager
+
+        names = ReasoningParserManager.list_registered()
+        if model.reasoning_parser not in names:
+            fail("model.reasoning_parser", f"unknown reasoning parser {model.reasoning_parser!r} "
+                                           f"(vLLM's are: {', '.join(sorted(names))})")
 
 
 def _check_pool(name: str, pool: PoolConfig, t: Topology, fail: Any, token: Any, port: Any,

@@ -108,6 +108,17 @@ class ModelConfig(_Strict):
     # disagg: serve with decode workers alone when no prefill worker is ready (or a prefill fails).
     # Off by default: a disaggregated deployment is ready only with both pools, unless allowed here.
     allow_decode_only: bool = False
+    # vLLM's tool-call parser (its --tool-call-parser names: hermes, llama3_json, mistral, pythonic,
+    # ...): turns the model's text into tool_calls for tool_choice "auto". Unset: "auto" is refused,
+    # as vllm serve refuses it without --enable-auto-tool-choice; "required" and named tools work
+    # either way (decoding is constrained to the tools' JSON schema).
+    tool_call_parser: str | None = None
+    # vLLM's reasoning parser (deepseek_r1, qwen3, ...): the model's thinking goes to
+    # reasoning_content; vLLM engines also get it, so structured output starts after the thinking
+    reasoning_parser: str | None = None
+    # the worker tokenizes, applies the chat template and detokenizes; the frontend handles text
+    # only (no tokenizer at the frontend: no KV-aware routing, no tool-call or reasoning parsing)
+    text_mode: bool = False
 
 
 class BackoffConfig(_Strict):
