@@ -79,6 +79,15 @@ class MigrationExhausted(ActorError):
     kind = "internal_error"
 
 
+class NotResumable(ActorError):
+    """The worker died part-way through a request whose rest cannot be produced elsewhere: the
+    new engine would restart a grammar from its first state (structured output, forced tool calls)
+    or has no way to extend an embeddings prompt with the produced tokens. The client retries."""
+
+    code = 503
+    kind = "service_unavailable"
+
+
 class BusUnavailable(Overloaded):
     """This frontend is cut off from the bus (a restart in progress): 503 with Retry-After."""
 
@@ -105,6 +114,17 @@ class FlowSpec:
     allow_decode_only: bool = True
     migration_limit: int = 3
     migration_wait: float = 60.0
+    prompt_embeds: str | None = None  # base64 torch tensor (a /v1/completions prompt_embeds)
+
+    def resume_refusal(self) -> str | None:
+        """Why this request cannot continue on another worker once tokens were produced, if so."""
+        if self.sampling.structured is not None:
+            # the engine's grammar state (xgrammar matcher) lives in the dead engine; a new one
+            # would match the produced tokens' continuation against the grammar's start
+            return "a constrained (structured output or tool call) request cannot resume its grammar"
+        if self.prompt_embeds is not None:
+            return "a prompt_embeds request cannot be extended with the produced tokens"
+        return None
 
 
 @dataclass
@@ -262,6 +282,12 @@ class CompletionFlow:
                 st.finish_reason = "length"
                 yield GenerateChunk(finish_reason="length")
                 return
+            refusal = spec.resume_refusal() if produced else None
+            if refusal is not None:
+                log.warning("request %s: %s failed after %d tokens (%s); not migrated: %s",
+                            spec.request_id, worker.instance, len(produced), err, refusal)
+                raise NotResumable(f"worker {worker.instance} failed after {len(produced)} tokens "
+                                   f"({err}) and {refusal}; send the request again")
             st.migrations += 1
             target = None if worker.instance in st.failed else target  # a failed pin cannot serve the rest
             prefill = None  # the new worker recomputes the (prompt + produced) prefix itself
@@ -353,7 +379,8 @@ class CompletionFlow:
                 prompt = prompt + "".join(produced_text)
         suffix = f"-m{self.state.migrations}" if self.state.migrations else ""
         return GenerateRequest(request_id=spec.request_id + suffix, token_ids=token_ids, prompt=prompt,
-                               sampling=sampling, lora_name=spec.lora, prefill_result=prefill)
+                               prompt_embeds=spec.prompt_embeds, sampling=sampling, lora_name=spec.lora,
+                               prefill_result=prefill)
 
     def _account(self, chunk: GenerateChunk, first_attempt: bool) -> None:
         st = self.state
