@@ -57,3 +57,7 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     # they were recorded decodes with no vocabulary (ids checked against int32 only) and vLLM's default
     vocab_size: int | None = None
     max_logprobs: int = 20
+    # what a frontend checks a client's prompt_embeds against before routing them; a card written
+    # before they were recorded reads as "not enabled": refused at the frontend, never sent unchecked
+    hidden_size: int | None = None
+    prompt_embeds: bool = False  # the pool's prompt_embeds (vLLM's --enable-prompt-embeds)

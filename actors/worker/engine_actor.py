@@ -159,7 +159,8 @@ class EngineActor(Actor):
                          total_kv_blocks=f.total_kv_blocks, dp_size=f.dp_size,
                          migration_limit=m.migration_limit if m else 3,
                          chat_template=m.chat_template if m else None,
-                         vocab_size=f.vocab_size, max_logprobs=f.max_logprobs)
+                         vocab_size=f.vocab_size, max_logprobs=f.max_logprobs,
+                         hidden_size=f.hidden_size, prompt_embeds=self.pool.prompt_embeds)
 
     def statistics(self) -> dict[str, Any]:
         svc = self.service

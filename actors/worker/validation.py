@@ -6,15 +6,13 @@ message and the engine never sees a request it would choke on.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import math
 from typing import Any
 
 import msgspec
 
 from actors.engines.limits import LimitError, Limits, check_prompt_ids, check_sampling_limits
+from actors.engines.prompt_embeds import decode_embeds
 from actors.engines.protocol import (
     EmbedsPrompt,
     ModelFacts,
@@ -25,9 +23,6 @@ from actors.engines.protocol import (
 )
 from actors.worker.contract import GenerateRequest
 from bus.errors import BadRequest
-
-# Bound on the base64 payload of prompt_embeds (the bus limit is usually smaller anyway).
-MAX_EMBEDS_B64 = 64 << 20
 
 
 def context_length_message(max_len: int, prompt_tokens: int, max_tokens: int) -> str:
@@ -62,32 +57,13 @@ def check_sampling(s: SamplingOptions, facts: ModelFacts) -> None:
         raise BadRequest(str(e), param=e.param) from None
 
 
-def decode_prompt_embeds(data: str, hidden_size: int | None) -> Any:
-    """base64 of a ``torch.save``'d 2-D tensor [seq, hidden] → the tensor (weights_only load)."""
-    if len(data) > MAX_EMBEDS_B64:
-        raise BadRequest(f"prompt_embeds too large ({len(data)} base64 bytes)")
+def decode_prompt_embeds(data: str, hidden_size: int | None, max_rows: int | None = None) -> Any:
+    """The frontend's rule (``actors.engines.prompt_embeds``), for clients that talk to a worker
+    over NATS: base64 of a ``torch.save``'d (num_tokens, hidden) tensor → the tensor."""
     try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError) as e:
-        raise BadRequest(f"prompt_embeds is not valid base64: {e}") from None
-    import torch  # lazy: only workers with prompt_embeds enabled pay for it
-
-    try:
-        tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - any unpickling failure is the caller's bad input
-        raise BadRequest(f"prompt_embeds is not a torch.save'd tensor: {e}") from None
-    if not isinstance(tensor, torch.Tensor):
-        raise BadRequest(f"prompt_embeds must hold a tensor, got {type(tensor).__name__}")
-    if tensor.dim() != 2:
-        raise BadRequest(f"prompt_embeds must be 2-D [seq, hidden], got shape {list(tensor.shape)}")
-    if tensor.shape[0] == 0:
-        raise BadRequest("prompt_embeds has no rows")
-    if hidden_size is not None and tensor.shape[1] != hidden_size:
-        raise BadRequest(f"prompt_embeds hidden size {tensor.shape[1]} does not match the model's "
-                         f"{hidden_size}")
-    if not tensor.is_floating_point():
-        raise BadRequest(f"prompt_embeds must be a floating-point tensor, got {tensor.dtype}")
-    return tensor
+        return decode_embeds(data, hidden_size=hidden_size, max_rows=max_rows)
+    except LimitError as e:
+        raise BadRequest(str(e), param=e.param) from None
 
 
 def build_prompt(req: GenerateRequest, facts: ModelFacts, embeds_enabled: bool) -> tuple[Prompt, int | None]:
@@ -109,8 +85,9 @@ def build_prompt(req: GenerateRequest, facts: ModelFacts, embeds_enabled: bool) 
             raise BadRequest("prompt is empty")
         return TextPrompt(text=req.prompt), None
     if not embeds_enabled:
-        raise BadRequest("prompt_embeds is not enabled for this pool (set prompt_embeds = true)")
-    tensor = decode_prompt_embeds(req.prompt_embeds or "", facts.hidden_size)
+        raise BadRequest("prompt_embeds is not enabled for this pool (set prompt_embeds = true)",
+                         param="prompt_embeds")
+    tensor = decode_prompt_embeds(req.prompt_embeds or "", facts.hidden_size, facts.max_model_len)
     n = int(tensor.shape[0])
     return EmbedsPrompt(tensor=tensor, num_tokens=n), n
 
