@@ -31,13 +31,36 @@ class PrefillResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     cached_tokens: int | None = None
 
 
+class ChatPrompt(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A chat request whose prompt the worker renders with the model's chat template (text mode:
+    the frontend has no tokenizer). The fields are the OpenAI/vLLM request's own, as the frontend's
+    template rendering takes them."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM's chat default: the template writes the special tokens
+    chat_template: str | None = None  # the request's own template (Jinja), instead of the model's
+    chat_template_kwargs: dict[str, Any] | None = None
+    # token ids already produced for this chat (a migrated request): appended to the rendered
+    # prompt's ids, so the next worker continues exactly where the failed one stopped
+    continuation: list[int] = []
+    # the client gave no max_tokens, and the frontend cannot count the prompt: sampling.max_tokens
+    # is only a bound, lowered to what the context leaves after the rendered prompt (vLLM's
+    # default for chat)
+    fit_max_tokens: bool = False
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One completion. Exactly one of token_ids (token mode), prompt (text mode), prompt_embeds."""
+    """One completion. Exactly one of token_ids (token mode), prompt (text mode), prompt_embeds,
+    chat (text mode: the worker applies the chat template)."""
 
     request_id: str | None = None
     token_ids: list[int] | None = None
     prompt: str | None = None
     prompt_embeds: str | None = None  # base64 of a torch.save'd 2-D tensor [seq, hidden]
+    chat: ChatPrompt | None = None
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     lora_name: str | None = None
     prefill_result: PrefillResult | None = None  # decode role

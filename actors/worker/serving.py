@@ -17,7 +17,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from actors.engines.protocol import Engine, EngineDeadError, LoraRef
+from actors.worker.chat_render import ChatSupport
 from actors.worker.contract import (
     DisaggregatedParams,
     EngineDead,
@@ -121,6 +124,7 @@ class EngineService:
         self.last_output = time.monotonic()  # last time the engine produced anything (hang detection)
         self._loras: dict[str, LoraRef] = {}
         self._tokens: TokenCounter | None = None
+        self._chat: ChatSupport | None = None  # text mode: the chat template this worker applies
         self.sleeping = False  # mirrored by the SleepController for health replies
         self.stopping = False
 
@@ -152,6 +156,8 @@ class EngineService:
             self._engine = self._factory()
             await self._engine.start()
         self._tokens = TokenCounter(self._engine.facts.tokenizer_path)
+        if self._chat is None:  # the model's tokenizer outlives engine restarts
+            self._chat = await ChatSupport.load(self.model_cfg, self._engine.facts)
         self.accepting = True
         log.info("engine started: %s role=%s max_model_len=%d block_size=%d", self._engine.facts.served_model_name,
                  self.role, self._engine.facts.max_model_len, self._engine.facts.block_size)
@@ -195,10 +201,16 @@ class EngineService:
             raise Overloaded("worker is asleep or stopping: not accepting generate requests")
         facts = self.engine.facts
         check_sampling(req.sampling, facts)
+        fit_max_tokens = req.chat is not None and req.chat.fit_max_tokens
+        if req.chat is not None:
+            req = self._chat_as_tokens(req)
         prompt, n_prompt = build_prompt(req, facts, self.pool.prompt_embeds)
         sampling = role_sampling(self.role, req.sampling)
         if n_prompt is None and req.prompt is not None and self._tokens is not None:
             n_prompt = self._tokens.count(req.prompt)
+        left = self.max_model_len - (n_prompt or 0)
+        if fit_max_tokens and n_prompt is not None and 0 < left < sampling.max_tokens:
+            sampling = msgspec.structs.replace(sampling, max_tokens=left)  # vLLM's chat default
         if n_prompt is not None:
             check_context(self.max_model_len, n_prompt, sampling.max_tokens)
         lora = None
@@ -211,6 +223,12 @@ class EngineService:
             if waiting >= self.pool.max_waiting:
                 raise Overloaded(f"overloaded: {waiting} requests waiting (max_waiting={self.pool.max_waiting})")
         return prompt, sampling, lora, n_prompt
+
+    def _chat_as_tokens(self, req: GenerateRequest) -> GenerateRequest:
+        """Text mode: the chat template is applied here, and the engine runs the token ids."""
+        if self._chat is None:
+            raise Overloaded("engine starting: not accepting chat requests yet")
+        return self._chat.token_request(req)
 
     def engine_request_id(self, req: GenerateRequest, request_id: str | None = None) -> str:
         return req.request_id or request_id or uuid.uuid4().hex
