@@ -1,6 +1,6 @@
 """The HTTP server: aiohttp routes, the API key and error middleware, and the small endpoints
 (models, health, live, metrics). A generation request is handed to ``pipeline.CompletionPipeline``,
-which reads and serves it.
+which reads and serves it; /tokenize and /detokenize to ``tokenize_api.Tokenization``.
 """
 
 from __future__ import annotations
@@ -18,12 +18,14 @@ from config.topology import FrontendConfig, ModelConfig
 
 from .completion_flow import WorkerLink
 from .discovery import WorkerSet
-from .http_guard import json_error
+from .http_guard import json_error, read_body
 from .metrics import FrontendMetrics
 from .openai_io import RETRY_AFTER_S, encode_json
 from .pipeline import CompletionPipeline
+from .planning import NotReady, resolve
 from .responses import now
 from .routing import Router
+from .tokenize_api import Tokenization
 
 log = logging.getLogger(__name__)
 
@@ -49,10 +51,15 @@ class FrontendApp:
         self.metrics = metrics or FrontendMetrics()
         self.pipeline = CompletionPipeline(workers=workers, router=router, link=link, config=config,
                                            metrics=self.metrics, model_config=model_config)
+        # the topology's models: 503 while no worker serves them, never 404 (as for chat)
+        self._expected = frozenset([model_config.name]) if model_config is not None else frozenset()
+        self.tokenization = Tokenization(workers, self.pipeline.preprocessors, model_config, self._expected)
         key = secrets.resolve(config.api_key, config.api_key_file, config.api_key_env, "frontend.api_key")
         self._api_key = key.encode() if key else None
-        # /health and /live stay open (load balancers, systemd, kubelets probe them without a key)
-        self._protected = ("/v1/", "/metrics") if config.metrics_auth else ("/v1/",)
+        # /health and /live stay open (load balancers, systemd, kubelets probe them without a key);
+        # /tokenize and /detokenize are vLLM's paths outside /v1/, and just as closed
+        protected = ("/v1/", "/tokenize", "/detokenize")
+        self._protected = (*protected, "/metrics") if config.metrics_auth else protected
 
     # --- app ---------------------------------------------------------------------------------------
     def build(self) -> web.Application:
@@ -61,6 +68,10 @@ class FrontendApp:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        # ids may hold '/' (HF names such as org/model), sent raw or as %2F (the openai client)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", self.live)
         app.router.add_get("/metrics", self.metrics_handler)
@@ -91,12 +102,30 @@ class FrontendApp:
 
     # --- info routes --------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        created = now()
-        data = []
         if not (await self._health(detail=False))[0]:
             # /health, /v1/models and READY=1 are three views of one fact: while the deployment is
             # not ready, nothing is listed (a request that can be served is still served)
-            return _json({"object": "list", "data": data})
+            return _json({"object": "list", "data": []})
+        return _json({"object": "list", "data": self._model_objects()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the object /v1/models lists for that id."""
+        name = request.match_info["model"]
+        if (await self._health(detail=False))[0]:
+            for obj in self._model_objects():
+                if obj["id"] == name:
+                    return _json(obj)
+        # Not listed. While the deployment is not ready /v1/models lists nothing, and a model of
+        # the deployment is then "not ready yet" (503, Retry-After), as chat's resolve answers, not
+        # "does not exist": a 404 would tell a client probing at start-up to give up on a model that
+        # is about to be served. resolve raises 503 for such a model and 404 for an unknown one.
+        resolve(self.workers, name, self._expected)
+        # servable now, but the deployment as a whole is not ready, so /v1/models does not list it
+        raise NotReady(f"model {name} is not ready yet: the deployment is not ready (see /health)")
+
+    def _model_objects(self) -> list[dict[str, Any]]:
+        created = now()
+        data: list[dict[str, Any]] = []
         for name, entry in sorted(self.workers.models.items()):
             data.append({"id": name, "object": "model", "created": created, "owned_by": "vllm-actors",
                          "root": entry.card.model_path, "parent": None,
@@ -106,7 +135,7 @@ class FrontendApp:
                                          else None)
             data.append({"id": name, "object": "model", "created": created, "owned_by": "vllm-actors",
                          "root": name, "parent": base})
-        return _json({"object": "list", "data": data})
+        return data
 
     async def health(self, request: web.Request) -> web.Response:
         """Readiness: 200 only while the deployment can serve (actors.frontend.readiness)."""
@@ -127,3 +156,12 @@ class FrontendApp:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.pipeline.serve(request, chat=False)
 
+    # --- tokenizer ----------------------------------------------------------------------------------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        return _json(await self.tokenization.tokenize(await self._body(request)))
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        return _json(await self.tokenization.detokenize(await self._body(request)))
+
+    async def _body(self, request: web.Request) -> bytes:
+        return await read_body(request, self.config.body_timeout, self.config.max_body_bytes, self.metrics)
