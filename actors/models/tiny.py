@@ -5,6 +5,12 @@ There is no model hub on the test machines, so tests, benchmarks and ``make run`
 random (drawn from ``--seed``), so the text it writes is nonsense, but every engine feature works
 with it (prefix caching, KV events, LoRA, prompt embeddings, disaggregation).
 
+The tokenizer knows ``<tool_call>``, ``</tool_call>``, ``<think>`` and ``</think>`` as single tokens
+that are not special (as Qwen's are), and the chat template renders tools, tool calls and tool
+results the way Qwen2.5/Hermes templates do. So vLLM's ``hermes`` tool parser and its
+``deepseek_r1``/``qwen3`` reasoning parsers work with this model, and text scripted into the mocker
+(``actors.engines.mocker``) parses like a real model's output.
+
     python -m actors.models.tiny [--out DIR] [--seed N] [--force]
 
 Layout (``DIR`` defaults to ``$VLLM_ACTORS_HOME/models/tiny-llama``, ``VLLM_ACTORS_HOME`` defaults
@@ -43,7 +49,8 @@ from config.paths import vllm_actors_home
 
 logger = logging.getLogger(__name__)
 
-BUILDER_VERSION = 1
+# 2: tool-call and think tokens, a chat template that renders tools (builds of 1 are rebuilt)
+BUILDER_VERSION = 2
 DEFAULT_SEED = 0
 MARKER = ".tiny-model.json"
 MODEL_NAME = "tiny-llama"
@@ -70,11 +77,52 @@ IM_END = "<|im_end|>"
 PAD = "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END, PAD]
 
-# chatml with a leading BOS; ``add_generation_prompt`` opens the assistant turn.
+# Added after BPE training as ordinary (special=False) tokens, like Qwen's: decoding with
+# skip_special_tokens keeps them, so the tool and reasoning parsers see them in the text. They
+# take the last ids of the vocabulary (the BPE trainer stops short of them).
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+THINK_START = "<think>"
+THINK_END = "</think>"
+TAG_TOKENS = [TOOL_CALL_START, TOOL_CALL_END, THINK_START, THINK_END]
+
+# chatml with a leading BOS; ``add_generation_prompt`` opens the assistant turn. Without tools and
+# tool messages it renders each message as <|im_start|>role\ncontent<|im_end|>\n. With ``tools`` a
+# system turn lists them as JSON in <tools></tools> (a leading system message's content goes first in
+# it), assistant tool calls render as <tool_call>{"name", "arguments"}</tool_call>, and consecutive
+# ``tool`` messages as <tool_response> blocks in one user turn: the Qwen2.5/Hermes layout.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments'"
+    " + ' within <tool_call></tool_call> XML tags:\n<tool_call>\n'"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"  # already in the tools turn
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant' }}"
+    "{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}"
+    "{% for tool_call in message['tool_calls'] %}"
+    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+    "{{ '\n<tool_call>\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    # OpenAI clients send arguments as a JSON string; vLLM hands templates a dict
+    "{% if call['arguments'] is string %}{{ call['arguments'] }}{% else %}{{ call['arguments'] | tojson }}{% endif %}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -171,18 +219,21 @@ def _corpus(limit: int = CORPUS_BYTES) -> list[str]:
 
 
 def _build_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB,
+        vocab_size=VOCAB - len(TAG_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    if tok.get_vocab_size() > VOCAB:  # an id >= VOCAB would index past the embedding table
+        raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} tokens, the model {VOCAB}")
     bos_id = tok.token_to_id(BOS)
     # Like Llama: encoding a text prepends BOS (chat templates render it themselves).
     tok.post_processor = processors.TemplateProcessing(
