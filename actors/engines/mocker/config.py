@@ -24,6 +24,19 @@ Keys (all optional; an unknown key is a ValueError naming it):
 | hang_after_tokens | None | the engine stalls forever after this many tokens (health stays OK) |
 | poison_token_id | None | a request whose prompt holds this id SIGKILLs the worker process, as the OOM killer stops a request of death (chaos tests) |
 | kv_events_buffer_steps | 10000 | replay ring size (batches) |
+| tokenizer | None | a tokenizer directory (its ``tokenizer.json``) or file: text prompts are encoded and output text decoded with it instead of bytes and ``" t<id>"``; ``script`` needs it (a worker passes its model's when the pool has a script) |
+| script | [] | scripted replies (below) |
+
+``script`` is a list of tables ``{ when = "substring", text = "reply" }`` (TOML: an array of inline
+tables, or ``[[pools.<name>.engine_args.script]]`` blocks). For each request the first entry whose
+``when`` occurs in the prompt's text wins (token prompts are decoded with ``tokenizer``, special
+tokens kept, so the chat template's text, tools included, is part of what is searched; a text
+prompt is searched as given); ``when = ""`` or no ``when`` matches every prompt. The reply is
+``text`` encoded with ``tokenizer`` (no special tokens added), one token per step, then
+``eos_token_id`` with finish_reason "stop"; ``max_tokens`` (and ``max_model_len``) still cut it with
+"length", a stop token id in it still stops it, and ``min_tokens``/``ignore_eos`` do not apply. A
+prompt that ends with the reply's first tokens (a migrated request) gets the rest of it. A prompt no
+entry matches, and every embeddings prompt, gets the usual pseudo-tokens.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import dataclasses
 import math
 from typing import Any
 
+from actors.engines.mocker.script import ScriptEntry, parse_script
 from actors.engines.mocker.timing import parse_speedup
 
 
@@ -57,6 +71,8 @@ class MockerArgs:
     hang_after_tokens: int | None = None
     poison_token_id: int | None = None
     kv_events_buffer_steps: int = 10_000
+    tokenizer: str | None = None
+    script: tuple[ScriptEntry, ...] = ()
 
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> MockerArgs:
@@ -67,6 +83,8 @@ class MockerArgs:
                 raise ValueError(f"unknown mocker engine arg {key!r} (known: {', '.join(sorted(known))})")
         if "speedup_ratio" in args:
             args["speedup_ratio"] = parse_speedup(args["speedup_ratio"])
+        if "script" in args:
+            args["script"] = parse_script(args["script"])
         out = cls(**args)
         out.validate()
         return out
@@ -100,3 +118,8 @@ class MockerArgs:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):
                 raise ValueError(f"mocker arg {name} must be a non-negative int or None, got {v!r}")
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"mocker arg tokenizer must be a path, got {self.tokenizer!r}")
+        if self.script and self.tokenizer is None:
+            raise ValueError("mocker arg script needs a tokenizer (the text is encoded with it): set the "
+                             "topology's model, or the mocker arg tokenizer")

@@ -11,6 +11,9 @@ output; "decode" publishes no KV events and, given ``kv_transfer_params`` with
 ``do_remote_prefill``, treats all prompt tokens but the last as already computed (the simulated
 hand-off) and reports them as cached. Faults: ``die_at_start``, ``die_after_tokens``,
 ``hang_after_tokens`` args, and ``inject_death()`` / ``inject_hang()`` at any time.
+
+With a ``tokenizer`` arg (``text_codec.py``) text is real text, and a ``script`` (``script.py``)
+replaces the pseudo-tokens of matching prompts by given text.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from actors.engines.mocker.config import MockerArgs
 from actors.engines.mocker.loras import LoadedLoras
 from actors.engines.mocker.ranks import Rank, Sink, build_ranks
 from actors.engines.mocker.scheduler import MockRequest, StepResult
+from actors.engines.mocker.script import Script
+from actors.engines.mocker.text_codec import IncrementalDetokenizer, TextCodec
 from actors.engines.mocker.timing import TimingModel
 from actors.engines.protocol import (
     EmbedsPrompt,
@@ -82,6 +87,9 @@ class MockerEngine(Engine):
         self._unhang = asyncio.Event()
         self._ranks: list[Rank] = []
         self._loras = LoadedLoras(a.lora_capacity, self.engine_id)
+        self._codec = TextCodec(a.tokenizer) if a.tokenizer is not None else None
+        self._script = Script(a.script, self._codec, a.vocab_size) \
+            if a.script and self._codec is not None else None
         self._started = False
         self._stopped = False
 
@@ -172,6 +180,9 @@ class MockerEngine(Engine):
                 return
 
     def _sample(self, req: MockRequest) -> int:
+        if req.script is not None:  # a scripted reply: its next token, then EOS
+            i = len(req.output)
+            return req.script[i] if i < len(req.script) else self.args.eos_token_id
         n = req.num_tokens
         tail = (req.prompt[-tk.HISTORY:] + req.output)[-tk.HISTORY:] if len(req.output) < tk.HISTORY \
             else req.output[-tk.HISTORY:]
@@ -218,10 +229,26 @@ class MockerEngine(Engine):
             check_prompt_ids(ids, self.limits)
             return ids
         if isinstance(prompt, TextPrompt):
+            if self._codec is not None:  # as vLLM tokenizes a text prompt (BOS and all)
+                return self._codec.encode(prompt.text, add_special_tokens=True)
             return tk.tokenize_text(prompt.text)
         if isinstance(prompt, EmbedsPrompt):
             return tk.embeds_token_ids(prompt.tensor, self.args.vocab_size, prompt.num_tokens)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _scripted_reply(self, prompt: Prompt, ids: list[int]) -> list[int] | None:
+        """The script's reply for this prompt (None: no script, no match, or embeddings)."""
+        if self._script is None or isinstance(prompt, EmbedsPrompt):
+            return None
+        text = prompt.text if isinstance(prompt, TextPrompt) \
+            else self._script.codec.decode(ids, skip_special_tokens=False)
+        return self._script.reply(text, ids)
+
+    def _sink(self, sampling: SamplingOptions) -> Sink:
+        detok = None
+        if self._codec is not None and sampling.detokenize:
+            detok = IncrementalDetokenizer(self._codec, bool(sampling.extra.get("skip_special_tokens", True)))
+        return Sink(sampling, detok)
 
     def _pick_rank(self) -> Rank:
         return min(self._ranks, key=lambda r: (r.sched.load, r.dp_rank))
@@ -263,15 +290,17 @@ class MockerEngine(Engine):
         if request_id in rank.sched.requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         lora_name = lora.name if lora else None
+        reply = self._scripted_reply(prompt, ids)
+        # a scripted reply ends with EOS whatever ignore_eos/min_tokens say: the script is the output
         req = MockRequest(
             request_id=request_id, prompt=ids, max_tokens=max_tokens,
-            min_tokens=sampling.min_tokens,
-            eos_token_id=None if sampling.ignore_eos else self.args.eos_token_id,
+            min_tokens=sampling.min_tokens if reply is None else 0,
+            eos_token_id=None if sampling.ignore_eos and reply is None else self.args.eos_token_id,
             stop_token_ids=frozenset(sampling.stop_token_ids), lora_name=lora_name,
             lora_id=lora.int_id if lora else None, request_seed=sampling.seed,
             remote_prefill_tokens=remote,
-            token_seed=tk.hash_seed(self.seed, lora_name, sampling.seed),
-            sink=Sink(sampling))
+            token_seed=tk.hash_seed(self.seed, lora_name, sampling.seed), script=reply,
+            sink=self._sink(sampling))
         rank.sched.add(req)
         rank.work.set()
         queue = req.sink.queue

@@ -15,7 +15,8 @@ def build(req: MockRequest, toks: list[int], final: bool, *, role: str, engine_i
     sampling: SamplingOptions = req.sink.sampling
     out = EngineOutput(token_ids=toks, num_prompt_tokens=len(req.prompt), cached_tokens=req.cached_tokens or 0)
     if toks and sampling.detokenize:
-        out.text = tk.detokenize(toks)
+        detok = req.sink.detok
+        out.text = detok.push(toks) if detok is not None else tk.detokenize(toks)
     if toks and sampling.logprobs is not None:
         out.logprobs = [logprob(t, sampling.logprobs, vocab_size) for t in toks]
     if final:

@@ -14,6 +14,7 @@ from actors.engines.mocker.config import MockerArgs
 from actors.engines.mocker.kv_events import ZmqKvEventPublisher
 from actors.engines.mocker.kv_pool import BlockPool
 from actors.engines.mocker.scheduler import MockRequest, Scheduler, StepResult
+from actors.engines.mocker.text_codec import IncrementalDetokenizer
 from actors.engines.protocol import (
     EngineOutput,
     EngineStats,
@@ -116,10 +117,12 @@ def build_ranks(a: MockerArgs, role: Role, kv_events_port: int,
 
 
 class Sink:
-    """Where a request's outputs go: the queue its ``generate`` reads (an error ends the stream)."""
+    """Where a request's outputs go: the queue its ``generate`` reads (an error ends the stream);
+    ``detok`` makes its output text when the mocker has a tokenizer."""
 
-    __slots__ = ("queue", "sampling")
+    __slots__ = ("detok", "queue", "sampling")
 
-    def __init__(self, sampling: SamplingOptions) -> None:
+    def __init__(self, sampling: SamplingOptions, detok: IncrementalDetokenizer | None = None) -> None:
         self.sampling = sampling
+        self.detok = detok
         self.queue: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()

@@ -41,6 +41,7 @@ class MockRequest:
     request_seed: int | None = None
     remote_prefill_tokens: int = 0  # prompt tokens whose KV arrives from a prefill engine
     token_seed: int = 0  # tokens.hash_seed(engine seed, LoRA, request seed)
+    script: list[int] | None = None  # a scripted reply's tokens still to come (then EOS)
     sink: Any = None  # engine-side delivery object (queue)
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
