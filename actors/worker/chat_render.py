@@ -112,8 +112,8 @@ class ChatSupport:
     async def load(cls, model: ModelConfig | None, facts: ModelFacts) -> ChatSupport:
         name = model.name if model is not None else facts.served_model_name
         if model is None or not model.text_mode:
-            return cls(name, None, f"model {name} is not in text mode on this worker (model.text_mode); "
-                                   "send token_ids or a prompt")
+            return cls(name, None, f"model {name} is not in text mode (model.text_mode), so its workers "
+                                   "do not apply chat templates; they take token ids or a prompt")
         try:
             source = await asyncio.to_thread(renderer_source, model, facts)
             if source is None:

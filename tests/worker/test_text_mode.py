@@ -130,7 +130,7 @@ async def test_a_long_chat_meets_the_context_check(svc: EngineService) -> None:
 
 
 @pytest.mark.parametrize("model,words", [
-    (ModelConfig(name="tiny", path="tiny"), "model tiny is not in text mode on this worker"),
+    (ModelConfig(name="tiny", path="tiny"), r"model tiny is not in text mode \(model.text_mode\), so its workers"),
     (ModelConfig(name="tiny", path="/nonexistent/model", text_mode=True),
      "could not load the tokenizer of model tiny"),
     (ModelConfig(name="tiny", path="mock", text_mode=True), "names no tokenizer this worker can load"),
