@@ -14,8 +14,8 @@ frontend decodes what any client sends before it routes anything:
   storages of the size its pickle claims before reading them;
 - dense tensors only: a sparse tensor can describe a dense size far beyond its bytes.
 
-Every refusal is a ``LimitError`` naming ``prompt_embeds``; the frontend turns it into a 400, the
-worker into a BadRequest.
+Every refusal is a ``LimitError`` naming ``prompt_embeds``, the frontend's and the worker's 400;
+``EmbedsTooLarge`` (a payload over the cap) is their 413.
 """
 
 from __future__ import annotations
@@ -33,13 +33,18 @@ if TYPE_CHECKING:
     import torch
 
 PARAM: Final = "prompt_embeds"
-# Absolute bound on one tensor's base64 text, whatever the model (the bus carries less anyway).
-MAX_EMBEDS_B64: Final = 64 << 20
+# Absolute bound on one tensor's base64 text, whatever the model: the worker request that carries it
+# must fit the embedded bus's 8 MiB max_payload (bus.embedded.MAX_PAYLOAD) with the rest of the request.
+MAX_EMBEDS_B64: Final = 7 << 20
 # What torch.save adds around the raw values: the pickle, the entry names, 64-byte alignment padding.
 _ARCHIVE_OVERHEAD: Final = 64 << 10
 _MAX_ELEMENT_BYTES: Final = 8  # float64, the widest floating dtype a client may send
 _ZIP_MAGIC: Final = b"PK\x03\x04"  # what torch.load looks for to pick its zip reader
 _REASON_CHARS: Final = 200  # torch's reason is built from the client's bytes: bounded, not echoed whole
+
+
+class EmbedsTooLarge(LimitError):
+    """The base64 text is longer than any tensor this model can take could need."""
 
 
 def b64_cap(max_rows: int | None, hidden_size: int | None) -> int:
@@ -81,9 +86,10 @@ def decode_embeds(data: str | bytes, *, hidden_size: int | None, max_rows: int |
     ``max_rows`` (the model's context length) bounds the payload before anything is decoded."""
     cap = b64_cap(max_rows, hidden_size)
     if len(data) > cap:
-        raise LimitError(f"`prompt_embeds` is too large: {len(data)} base64 characters, at most {cap} for "
-                         f"this model (its context length x hidden size, as float64). torch.save writes a "
-                         f"view's whole storage: save a copy (tensor.clone())", PARAM)
+        raise EmbedsTooLarge(f"`prompt_embeds` is too large: {len(data)} base64 characters, at most {cap} "
+                             f"for this model (its context length x hidden size, as float64, within the bus's "
+                             f"message size). torch.save writes a view's whole storage: save a copy "
+                             f"(tensor.clone())", PARAM)
     try:
         raw = base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError) as e:

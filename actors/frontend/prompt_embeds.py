@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from actors.engines.limits import LimitError
-from actors.engines.prompt_embeds import PARAM, decode_embeds
-from bus.errors import BadRequest
+from actors.engines.prompt_embeds import PARAM, EmbedsTooLarge, decode_embeds
+from bus.errors import BadRequest, PayloadTooLarge
 
 from .discovery import ModelEntry
 
@@ -64,7 +64,8 @@ def client_embeds(req: CompletionRequest, entry: ModelEntry) -> list[ClientEmbed
             tensor = decode_embeds(item, hidden_size=hidden, max_rows=card.context_length)
         except LimitError as e:
             where = f" (prompt_embeds[{i}])" if len(items) > 1 else ""
-            raise BadRequest(f"{e}{where}", param=e.param) from None
+            kind = PayloadTooLarge if isinstance(e, EmbedsTooLarge) else BadRequest
+            raise kind(f"{e}{where}", param=e.param) from None
         # valid base64 is ASCII; the tensor itself is not kept (the worker decodes its own copy)
         out.append(ClientEmbeds(data=item.decode("ascii"), rows=int(tensor.shape[0])))
     return out

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from actors.engines.limits import LimitError, Limits, check_prompt_ids, check_sampling_limits
-from actors.engines.prompt_embeds import decode_embeds
+from actors.engines.prompt_embeds import EmbedsTooLarge, decode_embeds
 from actors.engines.protocol import (
     EmbedsPrompt,
     ModelFacts,
@@ -22,7 +22,7 @@ from actors.engines.protocol import (
     TokensPrompt,
 )
 from actors.worker.contract import GenerateRequest
-from bus.errors import BadRequest
+from bus.errors import BadRequest, PayloadTooLarge
 
 
 def context_length_message(max_len: int, prompt_tokens: int, max_tokens: int) -> str:
@@ -62,6 +62,8 @@ def decode_prompt_embeds(data: str, hidden_size: int | None, max_rows: int | Non
     over NATS: base64 of a ``torch.save``'d (num_tokens, hidden) tensor → the tensor."""
     try:
         return decode_embeds(data, hidden_size=hidden_size, max_rows=max_rows)
+    except EmbedsTooLarge as e:
+        raise PayloadTooLarge(str(e), param=e.param) from None
     except LimitError as e:
         raise BadRequest(str(e), param=e.param) from None
 

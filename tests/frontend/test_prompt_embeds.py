@@ -19,13 +19,13 @@ import torch
 from openai import AsyncOpenAI
 
 from actors.engines.limits import LimitError
-from actors.engines.prompt_embeds import MAX_EMBEDS_B64, b64_cap, decode_embeds
+from actors.engines.prompt_embeds import MAX_EMBEDS_B64, EmbedsTooLarge, b64_cap, decode_embeds
 from actors.engines.protocol import EmbedsPrompt, ModelFacts, SamplingOptions
 from actors.frontend.responses import PREFILL_HEADER, WORKER_HEADER
 from actors.instances.contract import ModelCard
 from actors.worker.contract import GenerateChunk, GenerateRequest
 from actors.worker.validation import build_prompt
-from bus.errors import BadRequest
+from bus.errors import BadRequest, PayloadTooLarge
 from bus.registry import Registry
 from tests.frontend.conftest import CONTEXT, MODEL, Deployment, ScriptedWorker
 from tests.helpers import eventually, openai_client
@@ -76,9 +76,9 @@ BAD: list[tuple[str, str]] = [
     (b64(torch.ones(5, HIDDEN, dtype=torch.bool)), "dtype torch.bool is not a floating-point type"),
     # torch's zip reader inflates a deflated entry to the size it declares: a zip bomb's way in
     (rezipped(b64(torch.randn(5, HIDDEN)), zipfile.ZIP_DEFLATED), "compressed entry"),
-    # a view saves its whole storage: refused by its size before a byte is decoded
-    (b64(torch.randn(4096, HIDDEN)[:5]), "too large"),
 ]
+# a view saves its whole storage: refused by its size (413) before a byte is decoded
+TOO_LARGE = b64(torch.randn(4096, HIDDEN)[:5])
 
 
 @pytest.mark.parametrize("data,words", BAD)
@@ -94,8 +94,12 @@ def test_the_size_cap_comes_before_decoding_and_scales_with_the_model() -> None:
     assert cap < MAX_EMBEDS_B64
     # the largest tensor the model can take, in the widest dtype, fits under the cap
     assert len(b64(torch.zeros(CONTEXT, HIDDEN, dtype=torch.float64))) <= cap
-    with pytest.raises(LimitError, match="too large"):
+    with pytest.raises(EmbedsTooLarge, match="too large"):
         decode_embeds("A" * (cap + 4), hidden_size=HIDDEN, max_rows=CONTEXT)  # not decoded: A... is base64
+    with pytest.raises(EmbedsTooLarge, match=r"save a copy \(tensor.clone\(\)\)"):
+        decode_embeds(TOO_LARGE, hidden_size=HIDDEN, max_rows=CONTEXT)
+    with pytest.raises(EmbedsTooLarge):  # whatever the model, within what the bus carries
+        decode_embeds("A" * (MAX_EMBEDS_B64 + 4), hidden_size=None)
 
 
 def test_an_archive_claiming_more_than_it_holds_is_refused() -> None:
@@ -125,6 +129,13 @@ def test_the_worker_refuses_what_the_frontend_refuses_in_the_same_words(data: st
     assert ei.value.message == str(rule.value) and ei.value.param == "prompt_embeds"
 
 
+def test_the_worker_refuses_a_payload_over_the_cap_as_too_large() -> None:
+    req = GenerateRequest(prompt_embeds=TOO_LARGE, sampling=SamplingOptions(max_tokens=1))
+    with pytest.raises(PayloadTooLarge) as ei:
+        build_prompt(req, _facts(), embeds_enabled=True)
+    assert ei.value.code == 413 and ei.value.param == "prompt_embeds"
+
+
 def test_the_worker_takes_a_batch_of_one_and_counts_rows() -> None:
     req = GenerateRequest(prompt_embeds=b64(torch.randn(1, 9, HIDDEN)), sampling=SamplingOptions(max_tokens=1))
     prompt, n = build_prompt(req, _facts(), embeds_enabled=True)
@@ -150,9 +161,10 @@ class EmbedsWorker(ScriptedWorker):
     columns), and which reports an embeddings prompt's rows as its prompt tokens, as the engine
     actor does."""
 
-    def __init__(self, *a: Any, embeds: bool = True, **kw: Any) -> None:
+    def __init__(self, *a: Any, embeds: bool = True, hidden: int = HIDDEN, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.embeds = embeds
+        self.hidden = hidden
 
     async def on_start(self) -> None:
         self._cards = Registry(self.bus.js, self.bus.subjects.bucket_models, self.registry_ttl)
@@ -160,13 +172,13 @@ class EmbedsWorker(ScriptedWorker):
         card = ModelCard(served_model_name=self.model, pool=self.pool, role=self.role,
                          model_path=self.tokenizer_path, tokenizer_path=self.tokenizer_path,
                          context_length=CONTEXT, kv_block_size=32, total_kv_blocks=1000,
-                         hidden_size=HIDDEN, prompt_embeds=self.embeds)
+                         hidden_size=self.hidden, prompt_embeds=self.embeds)
         await self._cards.register(f"{self.model}.{self.pool}", card)
 
     async def generate(self, req: GenerateRequest, headers: Any) -> AsyncIterator[GenerateChunk]:
         rows = None
         if req.prompt_embeds is not None:
-            rows = int(decode_embeds(req.prompt_embeds, hidden_size=HIDDEN).shape[0])
+            rows = int(decode_embeds(req.prompt_embeds, hidden_size=self.hidden).shape[0])
         async for chunk in super().generate(req, headers):
             if rows is not None and chunk.num_prompt_tokens is not None:
                 chunk.num_prompt_tokens = rows
@@ -253,6 +265,11 @@ async def test_bad_embeddings_are_400s_before_any_worker_is_asked(deploy: Deploy
     body = await _refused(deploy, max_tokens=2, extra_body={"prompt_embeds": [b64(torch.randn(2, HIDDEN)),
                                                                                 "%%"]})
     assert "(prompt_embeds[1])" in body["message"]
+    with pytest.raises(openai.APIStatusError) as ei:
+        await client(deploy).completions.create(model=MODEL, prompt="", max_tokens=2,
+                                                extra_body={"prompt_embeds": TOO_LARGE})
+    assert ei.value.status_code == 413 and "too large" in ei.value.body["message"]
+    assert ei.value.body["param"] == "prompt_embeds"
     # rows count as prompt tokens against the context, in vLLM's words
     body = await _refused(deploy, max_tokens=10, extra_body={"prompt_embeds": b64(torch.randn(CONTEXT - 5, HIDDEN))})
     assert body["message"].startswith(f"This model's maximum context length is {CONTEXT} tokens")
@@ -262,6 +279,20 @@ async def test_bad_embeddings_are_400s_before_any_worker_is_asked(deploy: Deploy
                                                             "prompt_logprobs": 1})
     assert body["param"] == "prompt_logprobs"
     assert not w.requests
+
+
+async def test_embeddings_beyond_what_the_bus_carries_are_a_413_not_a_500(deploy: Deployment) -> None:
+    """A wide model's context allows more than one bus message holds: the cap is the bus's then."""
+    (w,) = await _started(deploy, {"hidden": 8192}, max_body_bytes=64 << 20)
+    data = b64(torch.randn(600, 8192).half())  # 9.8 MB of fp16, 13 MB of base64
+    assert len(data) > MAX_EMBEDS_B64
+    with pytest.raises(openai.APIStatusError) as ei:
+        await client(deploy).completions.create(model=MODEL, prompt="", max_tokens=2,
+                                                extra_body={"prompt_embeds": data})
+    assert ei.value.status_code == 413 and f"at most {MAX_EMBEDS_B64}" in ei.value.body["message"]
+    r = await client(deploy).completions.create(model=MODEL, prompt="", max_tokens=2,
+                                                extra_body={"prompt_embeds": b64(torch.randn(200, 8192).half())})
+    assert r.usage.prompt_tokens == 200 and len(w.requests) == 1
 
 
 async def test_a_pool_without_prompt_embeds_is_named(deploy: Deployment) -> None:
