@@ -48,10 +48,10 @@ def template_ids(tools: list[dict[str, Any]] | None = None) -> list[int]:
     return hf(text, add_special_tokens=False)["input_ids"]
 
 
-async def start_worker(ctx: BusContext, instance: str, **args: Any) -> EngineActor:
-    w = EngineActor(ctx.child(), pool_name="agg", pool=PoolConfig(engine="mocker"), model=TEXT_MODEL,
+async def start_worker(ctx: BusContext, instance: str, role: str = "agg", **args: Any) -> EngineActor:
+    w = EngineActor(ctx.child(), pool_name=role, pool=PoolConfig(engine="mocker", role=role), model=TEXT_MODEL,
                     instance=instance, load_interval=0.5,
-                    engine_factory=lambda: MockerEngine({**ARGS, **args}, role="agg", served_model_name="tiny"))
+                    engine_factory=lambda: MockerEngine({**ARGS, **args}, role=role, served_model_name="tiny"))
     await w.start()
     return w
 
@@ -183,6 +183,30 @@ async def test_a_migrated_chat_continues_exactly(mocker: Mocker) -> None:
         assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (len(template_ids()), 12)
     finally:
         await dying.stop(1.0)
+
+
+async def test_disaggregated_chat_in_text_mode(nats_server: EmbeddedNats) -> None:
+    """Prefill and decode workers both get the chat and render the same prompt (the prefill runs it
+    for its one token, the decode worker continues from its KV hand-off)."""
+    ctx = await open_context(nats_server.url, namespace="td" + secrets.token_hex(4), host="testhost",
+                             name="text-mode-disagg-test")
+    workers = [await start_worker(ctx, "p0", role="prefill"), await start_worker(ctx, "d0", role="decode")]
+    fe = await start_frontend(ctx, TEXT_MODEL, 2)
+    try:
+        prefill = workers[0].service.engine
+        assert isinstance(prefill, MockerEngine)
+        before = prefill.tokens_generated
+        r = await openai_client(f"http://127.0.0.1:{fe.port}").chat.completions.create(
+            model="tiny", messages=MSGS, max_tokens=6, extra_body={"ignore_eos": True})
+        ids = template_ids()
+        assert r.choices[0].message.content == tk.detokenize(tk.predict_output(ids, 6, VOCAB, ignore_eos=True))
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 6)
+        assert prefill.tokens_generated == before + 1  # the prefill's one token
+    finally:
+        await fe.stop(1.0)
+        for w in workers:
+            await w.stop(1.0)
+        await ctx.close()
 
 
 # --- vLLM-CPU ------------------------------------------------------------------------------------------
