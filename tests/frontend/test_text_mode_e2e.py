@@ -130,6 +130,24 @@ async def test_completions_in_text_mode(mocker: Mocker) -> None:
                                                                 ignore_eos=True))
 
 
+async def test_token_prompts_in_text_mode(mocker: Mocker) -> None:
+    """Token-id prompts need no tokenizer to send, but their text is still the worker's to write."""
+    r = await mocker.client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3,
+                                               extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == 3
+    assert r.choices[0].text == tk.detokenize(tk.predict_output([5, 6, 7], 3, VOCAB, ignore_eos=True))
+
+
+async def test_logprobs_are_refused_in_text_mode(mocker: Mocker) -> None:
+    """Their token strings need the tokenizer: a 400, not an answer silently without them."""
+    c = mocker.client
+    with pytest.raises(openai.BadRequestError) as ei:
+        await c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=2, logprobs=True)
+    assert ei.value.body["param"] == "logprobs" and "runs in text mode" in ei.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="logprobs are not returned"):
+        await c.completions.create(model="tiny", prompt="hello", max_tokens=2, logprobs=1)
+
+
 async def test_tools_reach_the_template_only_with_tool_choice_none(mocker: Mocker) -> None:
     c = mocker.client
     r = await c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="none",
