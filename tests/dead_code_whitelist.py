@@ -30,3 +30,7 @@ _.optionxform  # configparser: keep the case of systemd keys (tests/deploy/test_
 pytest_runtest_call  # hook (tests/conftest.py)
 event_loop_policy  # fixture pytest-asyncio looks up by name
 _.ValueClass  # prometheus_client's value class, swapped by tests/worker/test_status_metrics.py
+
+# vLLM's DelegatingParser reads it (actors/frontend/output_parsing.py switches reasoning off for an
+# output whose prompt already closed the thinking).
+_._reasoning_parser

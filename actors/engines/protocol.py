@@ -26,6 +26,7 @@ class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: str | None = None  # JSON of an xgrammar structural tag (tool-call parsers set it)
 
 
 class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -50,6 +51,9 @@ class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_tokens: int = 0
     logprobs: int | None = None  # number of top logprobs per generated token (0 = only the sampled)
     structured: StructuredOutput | None = None
+    # with a reasoning parser: True = the grammar applies from the first token (the prompt already
+    # closed the thinking), None = the engine's reasoning parser decides (vLLM's reasoning_ended)
+    reasoning_ended: bool | None = None
     detokenize: bool = True
     extra: dict[str, Any] = {}
 

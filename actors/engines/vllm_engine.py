@@ -178,7 +178,8 @@ class VllmEngine(Engine):
         llm = self._live()
         params = sampling_params(sampling, self.role, kv_transfer_params)
         stream = llm.generate(vllm_prompt(prompt), params, request_id,
-                              lora_request=lora_request(lora or self._identity))
+                              lora_request=lora_request(lora or self._identity),
+                              reasoning_ended=sampling.reasoning_ended)
         first = True
         try:
             async for out in stream:

@@ -125,10 +125,8 @@ def to_sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
     so = sp.structured_outputs
     structured = None
     if so is not None:
-        if so.structural_tag is not None:
-            raise BadRequest("structural_tag response formats are not supported")
         structured = StructuredOutput(json=so.json, json_object=so.json_object, regex=so.regex,
-                                      choice=so.choice, grammar=so.grammar)
+                                      choice=so.choice, grammar=so.grammar, structural_tag=so.structural_tag)
     extra: dict[str, Any] = {}
     for name in _EXTRA_FIELDS:
         v = getattr(sp, name, None)

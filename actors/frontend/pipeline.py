@@ -25,8 +25,9 @@ from .discovery import WorkerSet
 from .http_guard import read_body
 from .metrics import FrontendMetrics
 from .openai_io import encode_json, parse_chat, parse_completion
+from .output_parsing import ModelParsers
 from .planning import Plan, plan_request, resolve
-from .preprocess import ModelPreprocessors
+from .preprocess import ModelPreprocessors, Preprocessor
 from .quarantine import Quarantine
 from .responses import SSE_DONE, WORKER_HEADER, ResponseBuilder
 from .routing import Router
@@ -47,6 +48,7 @@ class CompletionPipeline:
         # the topology's models answer 503 while no worker serves them, instead of 404
         self._expected = frozenset([model_config.name]) if model_config is not None else frozenset()
         self.preprocessors = ModelPreprocessors(workers, model_config)
+        self._parsers: dict[tuple[int, str | None, str | None], ModelParsers] = {}
 
     async def serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -62,7 +64,8 @@ class CompletionPipeline:
             m.queued.labels(label).inc()
             try:
                 pre = await self.preprocessors.get(entry)
-                plan = plan_request(req, entry, lora, name, pre, body)
+                plan = plan_request(req, entry, lora, name, pre, body,
+                                    self._model_parsers(entry.name, pre) if chat else None)
             finally:
                 m.queued.labels(label).dec()
             choices = self._choices(plan, target=request.headers.get(WORKER_HEADER))
@@ -95,6 +98,19 @@ class CompletionPipeline:
             raise
         finally:
             m.requests.labels(endpoint, label, str(status)).inc()
+
+    def _model_parsers(self, model: str, pre: Preprocessor | None) -> ModelParsers | None:
+        """The model's tool-call/reasoning parsers over its tokenizer, built once (the topology
+        names them; a model it does not name still gets forced tool calls, which need none)."""
+        if pre is None:
+            return None
+        mc = self.model_config if self.model_config and self.model_config.name == model else None
+        tool, reasoning = (mc.tool_call_parser, mc.reasoning_parser) if mc is not None else (None, None)
+        key = (id(pre), tool, reasoning)  # preprocessors live for the process (preprocess.SHARED)
+        parsers = self._parsers.get(key)
+        if parsers is None:
+            parsers = self._parsers[key] = ModelParsers(tool, reasoning, pre.hf)
+        return parsers
 
     def _choices(self, plan: Plan, target: str | None) -> list[Choice]:
         """The plan's flows, under the topology's migration settings for its model (the card's

@@ -93,6 +93,7 @@ class ResponseBuilder:
         # the whole output per choice, kept only for the plain body
         self._texts: list[list[str]] = [[] for _ in choices]
         self._lps: list[list[TokenLogprob]] = [[] for _ in choices]
+        self._ids: list[list[int]] = [[] for _ in choices]  # for the output parsers (plan.parsing)
 
     def headers(self) -> dict[str, str]:
         """The workers that served the choices (known once each choice's first chunk arrived)."""
@@ -119,6 +120,8 @@ class ResponseBuilder:
             self._texts[c.index].append(delta)
             if chunk.logprobs and self._want_logprobs:
                 self._lps[c.index].extend(chunk.logprobs)
+            if c.parsing is not None:
+                self._ids[c.index].extend(chunk.token_ids)
         return delta
 
     def _logprobs(self, lps: list[TokenLogprob], offset: int) -> Any:
@@ -159,16 +162,27 @@ class ResponseBuilder:
     def sse_piece(self, c: Choice, chunk: GenerateChunk, delta: str) -> bytes | None:
         """The SSE chunk for ``delta`` (what ``feed`` returned); None when there is nothing to send."""
         assert self._framer is not None, "sse_start first"
-        if not (delta or c.finish_reason is not None or (chunk.logprobs and self._want_logprobs)):
-            return None
+        finished = c.finish_reason is not None
+        want_lps = bool(chunk.logprobs and self._want_logprobs)
         piece: dict[str, Any] = {"index": c.index}
-        if self.plan.chat:
-            piece["delta"] = {"content": delta} if delta or c.finish_reason is None else {}
+        if c.parsing is not None:
+            # every piece goes through the parser, even one with no text yet: it tracks token ids
+            parsed = c.parsing.delta(delta, chunk.token_ids, finished) if delta or chunk.token_ids or finished \
+                else None
+            if not parsed and not (finished or want_lps):
+                return None
+            piece["delta"] = parsed or {}
+        elif not (delta or finished or want_lps):
+            return None
+        elif self.plan.chat:
+            piece["delta"] = {"content": delta} if delta or not finished else {}
         else:
             piece["text"] = delta
         piece["logprobs"] = self._logprobs(chunk.logprobs, self._offsets[c.index]) if chunk.logprobs else None
         piece["finish_reason"] = c.finish_reason
-        if c.finish_reason is not None:
+        if finished:
+            if c.parsing is not None:
+                piece["finish_reason"] = c.parsing.stream_finish(c.finish_reason or "stop")
             piece["stop_reason"] = c.stop_reason
         self._offsets[c.index] += len(delta)
         return self._framer.choices([piece])
@@ -180,9 +194,16 @@ class ResponseBuilder:
         for c in self.choices:
             if c.finish_reason is None:
                 text = self._close(c)
-                out.append(self._framer.choices([{"index": c.index, **({"delta": {"content": text}}
-                           if self.plan.chat else {"text": text}), "logprobs": None,
-                           "finish_reason": c.finish_reason}]))
+                finish = c.finish_reason
+                if c.parsing is not None:
+                    body: dict[str, Any] = {"delta": c.parsing.delta(text, [], True) or {}}
+                    finish = c.parsing.stream_finish(finish or "stop")
+                elif self.plan.chat:
+                    body = {"delta": {"content": text}}
+                else:
+                    body = {"text": text}
+                out.append(self._framer.choices([{"index": c.index, **body, "logprobs": None,
+                                                  "finish_reason": finish}]))
         if self.plan.include_usage:
             out.append(self._framer.usage(self._usage()))
         return out
@@ -200,8 +221,18 @@ class ResponseBuilder:
             text = "".join(self._texts[c.index]) + self._close(c)
             lp = self._logprobs(self._lps[c.index], 0)
             if plan.chat:
-                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": lp, "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = c.finish_reason
+                if c.parsing is not None:
+                    parsed = c.parsing.whole(text, self._ids[c.index])
+                    message["content"] = parsed.content
+                    if parsed.reasoning is not None:
+                        message["reasoning"] = message["reasoning_content"] = parsed.reasoning
+                    if parsed.tool_calls:
+                        message["tool_calls"] = parsed.tool_calls
+                    finish = c.parsing.whole_finish(parsed, finish or "stop")
+                out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
+                            "stop_reason": c.stop_reason})
             else:
                 if plan.out.echo and c.index not in self._echoed:
                     text = plan.echo_texts[c.index // plan.n] + text
