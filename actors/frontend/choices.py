@@ -19,6 +19,7 @@ from bus.tasks import cancel_and_wait
 from .completion_flow import CompletionFlow, FlowDeps, FlowSpec
 from .detok import TextStream
 from .observations import RequestObservation
+from .output_parsing import ChoiceParsing
 from .planning import Plan
 
 Arrival = tuple["Choice", GenerateChunk]
@@ -29,7 +30,8 @@ Queued = tuple["Choice", GenerateChunk | None, BaseException | None]
 class Choice:
     """One output choice: a flow plus its text stream; turns worker chunks into client deltas."""
 
-    __slots__ = ("index", "flow", "text", "pre", "finish_reason", "stop_reason", "obs")
+    __slots__ = ("index", "flow", "text", "pre", "finish_reason", "stop_reason", "obs", "parsing",
+                 "keep_stop_token")
 
     def __init__(self, index: int, flow: CompletionFlow, plan: Plan, prompt_ids: list[int] | None) -> None:
         self.index = index
@@ -39,9 +41,12 @@ class Choice:
         backend = plan.pre.backend if plan.pre is not None else None
         self.text = TextStream(backend, prompt_ids, out.stop, skip_special_tokens=out.skip_special_tokens,
                                include_stop_str_in_output=out.include_stop_str_in_output)
+        self.keep_stop_token = out.include_stop_str_in_output
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.obs: RequestObservation | None = None  # set by the pipeline: the planner's view
+        # tool calls / reasoning split out of the text (one stateful parser per choice)
+        self.parsing: ChoiceParsing | None = plan.parsing.choice() if plan.parsing is not None else None
 
     def arrived(self, chunk: GenerateChunk) -> None:
         """Note a chunk from the flow as it arrives (before the client is written to)."""
@@ -65,7 +70,12 @@ class Choice:
         """Delta text for a chunk; sets finish_reason when the choice is complete."""
         ts = self.text
         if self.pre is not None and chunk.token_ids and not chunk.text:
-            delta = ts.add_tokens(chunk.token_ids)
+            ids = chunk.token_ids
+            if chunk.finish_reason == "stop" and not self.keep_stop_token:
+                # a token-mode worker stops on a token (EOS or a stop_token_id; stop strings are
+                # ours): vLLM leaves that token out of the text unless include_stop_str_in_output
+                ids = ids[:-1]
+            delta = ts.add_tokens(ids)
         else:
             delta = ts.add_text(chunk.text or "")
         if ts.stop_hit is not None:
@@ -89,7 +99,8 @@ def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decod
             if plan.n > 1 and base.seed is not None:
                 so = msgspec.structs.replace(base, seed=base.seed + j)
             spec = FlowSpec(model=plan.entry, request_id=f"{plan.request_id}-{idx}", sampling=so,
-                            token_ids=ids, prompt=text, lora=plan.lora, target=target,
+                            token_ids=ids, prompt=text, prompt_embeds=plan.prompt_embeds(p),
+                            chat=plan.chat_prompt, lora=plan.lora, target=target,
                             allow_decode_only=allow_decode_only, migration_limit=migration_limit,
                             migration_wait=migration_wait)
             choices.append(Choice(idx, CompletionFlow(spec, deps, on_migrate, on_quarantine), plan, ids))

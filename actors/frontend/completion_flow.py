@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import msgspec
 
 from actors.engines.protocol import SamplingOptions
-from actors.worker.contract import EngineDead, GenerateChunk, GenerateRequest, PrefillResult
+from actors.worker.contract import ChatPrompt, EngineDead, GenerateChunk, GenerateRequest, PrefillResult
 from bus.errors import (
     ActorError,
     Overloaded,
@@ -115,6 +115,7 @@ class FlowSpec:
     migration_limit: int = 3
     migration_wait: float = 60.0
     prompt_embeds: str | None = None  # base64 torch tensor (a /v1/completions prompt_embeds)
+    chat: ChatPrompt | None = None  # text mode: a chat the worker renders with the chat template
 
     def resume_refusal(self) -> str | None:
         """Why this request cannot continue on another worker once tokens were produced, if so."""
@@ -210,7 +211,8 @@ class CompletionFlow:
         sampling = msgspec.structs.replace(spec.sampling, max_tokens=1, min_tokens=0, logprobs=None,
                                            stop=[], structured=None)
         req = GenerateRequest(request_id=f"{spec.request_id}-p", token_ids=spec.token_ids,
-                              prompt=spec.prompt, sampling=sampling, lora_name=spec.lora)
+                              prompt=spec.prompt, prompt_embeds=spec.prompt_embeds, chat=spec.chat,
+                              sampling=sampling, lora_name=spec.lora)
         last: GenerateChunk | None = None
         call = self.link.stream(worker, req)
         try:
@@ -302,7 +304,9 @@ class CompletionFlow:
         the prompt is not free, and almost every request meets neither)."""
         if self._fp is None:
             s = self.spec
-            self._fp = fingerprint(s.model.name, s.lora, s.token_ids, s.prompt, s.sampling)
+            # a text-mode chat has neither ids nor text here: its messages stand for the prompt
+            prompt = s.prompt if s.chat is None else msgspec.json.encode(s.chat).decode()
+            self._fp = fingerprint(s.model.name, s.lora, s.token_ids, prompt, s.sampling)
         return self._fp
 
     def _check_quarantine(self) -> None:
@@ -368,7 +372,7 @@ class CompletionFlow:
                  produced_text: list[str]) -> GenerateRequest:
         spec = self.spec
         sampling = spec.sampling
-        token_ids, prompt = spec.token_ids, spec.prompt
+        token_ids, prompt, chat = spec.token_ids, spec.prompt, spec.chat
         if produced:
             sampling = msgspec.structs.replace(
                 sampling, max_tokens=sampling.max_tokens - len(produced),
@@ -377,10 +381,14 @@ class CompletionFlow:
                 token_ids = token_ids + produced
             elif prompt is not None:
                 prompt = prompt + "".join(produced_text)
+            elif chat is not None:
+                # the next worker renders the same messages and continues from the produced ids:
+                # never re-rendered with the output as a message, never re-tokenized from text
+                chat = msgspec.structs.replace(chat, continuation=list(produced))
         suffix = f"-m{self.state.migrations}" if self.state.migrations else ""
         return GenerateRequest(request_id=spec.request_id + suffix, token_ids=token_ids, prompt=prompt,
-                               prompt_embeds=spec.prompt_embeds, sampling=sampling, lora_name=spec.lora,
-                               prefill_result=prefill)
+                               prompt_embeds=spec.prompt_embeds, chat=chat, sampling=sampling,
+                               lora_name=spec.lora, prefill_result=prefill)
 
     def _account(self, chunk: GenerateChunk, first_attempt: bool) -> None:
         st = self.state

@@ -11,12 +11,15 @@ from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionReque
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
 from actors.engines.protocol import SamplingOptions
+from actors.worker.contract import ChatPrompt
 from bus.errors import BadRequest, NotFound, Overloaded
 
 from .discovery import ModelEntry, WorkerSet
 from .limits import card_limits, check_fan_out, check_prompt, check_sampling
 from .openai_io import OutputOptions, new_id, requested_max_tokens, to_sampling
-from .preprocess import Preprocessor
+from .output_parsing import ModelParsers, RequestParsing
+from .preprocess import Preprocessor, tool_dicts
+from .prompt_embeds import ClientEmbeds, client_embeds
 
 
 @dataclass
@@ -34,6 +37,14 @@ class Plan:
     include_usage: bool
     request_id: str
     echo_texts: list[str] = field(default_factory=list)
+    parsing: RequestParsing | None = None  # tool calls / reasoning in a chat output (output_parsing)
+    embeds: list[ClientEmbeds | None] = field(default_factory=list)  # per prompt: its prompt_embeds
+    chat_prompt: ChatPrompt | None = None  # text mode: the chat the worker renders (plan_worker_chat)
+
+    def prompt_embeds(self, p: int) -> str | None:
+        """Prompt ``p``'s embeddings (base64, as the client sent them), or None."""
+        e = self.embeds[p] if p < len(self.embeds) else None
+        return e.data if e is not None else None
 
 
 class NotReady(Overloaded):
@@ -75,32 +86,42 @@ def _max_tokens(requested: int | None, prompt_len: int, ctx: int) -> int:
 
 
 def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEntry, lora: str | None,
-                 name: str, pre: Preprocessor | None, body: bytes = b"") -> Plan:
+                 name: str, pre: Preprocessor | None, body: bytes = b"",
+                 parsers: ModelParsers | None = None) -> Plan:
+    """``parsers``: the model's tool-call/reasoning parsers (chat only; none: plain content)."""
     chat = isinstance(req, ChatCompletionRequest)
     card = entry.card
     ctx = card.context_length
     limits = card_limits(card)
     n = req.n if req.n is not None else 1
     prompts: list[tuple[list[int] | None, str | None]] = []
+    embeds: list[ClientEmbeds | None] = []
+    parsing: RequestParsing | None = None
     if chat:
         check_fan_out(n, 1)
         if pre is None:
-            raise Overloaded(f"no tokenizer for model {entry.name} at this frontend (set model.tokenizer "
-                             "in the topology); only /v1/completions with text prompts can be served")
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+            return plan_worker_chat(req, entry, lora, name, body)
+        if parsers is not None:
+            parsing = parsers.for_request(req)
+            if parsing is not None:
+                # before the sampling options are built: it may constrain decoding to the tools
+                req = parsing.adjust(req)
+        tools = tool_dicts(req.tools)  # as vLLM hands them to the template (nulls kept)
         text = pre.render_chat(list(req.messages), add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs,
                                tools=tools)
         prompts.append((pre.encode(text, req.add_special_tokens), None))
     else:
-        if req.prompt_embeds is not None:
-            raise BadRequest("prompt_embeds is not supported by this frontend")
+        embeds += client_embeds(req, entry)  # embeddings prompts come first, as in vLLM
+        prompts += [(None, None)] * len(embeds)
         p = req.prompt
+        if embeds and (p == "" or p == []):
+            p = None  # the openai client needs a prompt: "" beside prompt_embeds is none (vLLM's docs)
         items: list[Any] = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p or [])
-        if not items:
+        if not items and not embeds:
             raise BadRequest("prompt must not be empty")
-        check_fan_out(n, len(items))
+        check_fan_out(n, len(embeds) + len(items))
         for item in items:
             if isinstance(item, str):
                 if pre is None:
@@ -116,10 +137,18 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
     requested = requested_max_tokens(req, body)
     samplings: list[SamplingOptions] = []
     out: OutputOptions | None = None
-    for ids, _text in prompts:
-        plen = len(ids) if ids is not None else 0
-        mt = _max_tokens(requested, plen, ctx) if ids is not None else (requested or 16)
-        so, out = to_sampling(req, mt, text_mode=ids is None)
+    embeds += [None] * (len(prompts) - len(embeds))
+    for (ids, _text), emb in zip(prompts, embeds, strict=True):
+        plen = len(ids) if ids is not None else emb.rows if emb is not None else 0
+        known = ids is not None or emb is not None  # the prompt's length (text mode: the worker's)
+        mt = _max_tokens(requested, plen, ctx) if known else (requested or 16)
+        # the worker detokenizes (and enforces stop strings) exactly when this frontend has no
+        # tokenizer: text, token-id and embeddings prompts alike
+        so, out = to_sampling(req, mt, text_mode=pre is None)
+        if pre is None:
+            check_text_mode_output(entry.name, out)
+        if parsing is not None and ids is not None:
+            so.reasoning_ended = parsing.reasoning_ended(ids)
         check_sampling(so, out.stop, n, limits, chat)
         samplings.append(so)
     assert out is not None
@@ -131,4 +160,44 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
             echo_texts.append(text if text is not None else (pre.decode(ids, False) if pre and ids else ""))
     return Plan(chat=chat, model=name, entry=entry, lora=lora, pre=pre, prompts=prompts, n=n,
                 sampling=samplings, out=out, stream=stream, include_usage=include_usage,
-                request_id=new_id("chatcmpl" if chat else "cmpl"), echo_texts=echo_texts)
+                request_id=new_id("chatcmpl" if chat else "cmpl"), echo_texts=echo_texts, parsing=parsing,
+                embeds=embeds)
+
+
+def plan_worker_chat(req: ChatCompletionRequest, entry: ModelEntry, lora: str | None, name: str,
+                     body: bytes = b"") -> Plan:
+    """A chat in text mode (model.text_mode, or no tokenizer loadable here): the worker applies the
+    chat template, counts the prompt (usage, the context check) and detokenizes. Tool calls are
+    refused: turning the output into ``tool_calls`` (and forcing them) is the frontend's work over
+    the model's tokenizer, which text mode keeps away from it; ``tool_choice: "none"`` is served, its
+    tools reach the worker's template as vLLM's server passes them."""
+    if req.tools and req.tool_choice != "none":
+        raise BadRequest(f"model {entry.name} runs in text mode: tool calls are not parsed (tool_choice "
+                         f"must be \"none\", which still gives the tools to the chat template)",
+                         param="tool_choice")
+    n = req.n if req.n is not None else 1
+    requested = requested_max_tokens(req, body)
+    chat = ChatPrompt(messages=list(req.messages),
+                      tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                      add_generation_prompt=req.add_generation_prompt,
+                      continue_final_message=req.continue_final_message,
+                      add_special_tokens=req.add_special_tokens, chat_template=req.chat_template,
+                      chat_template_kwargs=req.chat_template_kwargs, fit_max_tokens=requested is None)
+    # the prompt's length is the worker's to count: without a client limit, max_tokens is the whole
+    # context, which the worker lowers to what the prompt leaves (fit_max_tokens)
+    so, out = to_sampling(req, requested if requested is not None else entry.card.context_length, text_mode=True)
+    check_text_mode_output(entry.name, out)
+    check_sampling(so, out.stop, n, card_limits(entry.card), True)
+    stream = bool(req.stream)
+    return Plan(chat=True, model=name, entry=entry, lora=lora, pre=None, prompts=[(None, None)], n=n,
+                sampling=[so], out=out, stream=stream,
+                include_usage=bool(stream and req.stream_options and req.stream_options.include_usage),
+                request_id=new_id("chatcmpl"), chat_prompt=chat)
+
+
+def check_text_mode_output(model: str, out: OutputOptions) -> None:
+    """What text mode cannot give: logprobs name their tokens' text, which needs the tokenizer this
+    frontend does not hold (a 400 rather than an answer silently without them)."""
+    if out.logprobs is not None:
+        raise BadRequest(f"model {model} runs in text mode: logprobs are not returned (they need the "
+                         "model's tokenizer at the frontend)", param="logprobs")

@@ -11,10 +11,13 @@ import asyncio
 import functools
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bus.errors import BadRequest
+from pydantic import BaseModel
+
+from actors.worker.chat_render import render_chat
 from config.topology import ModelConfig
 
 from .discovery import ModelEntry, WorkerSet
@@ -45,27 +48,22 @@ class Preprocessor:
                     continue_final_message: bool = False, chat_template: str | None = None,
                     template_kwargs: dict[str, Any] | None = None,
                     tools: list[dict[str, Any]] | None = None) -> str:
-        template = chat_template or self.chat_template
-        if not template:
-            raise BadRequest("the model has no chat template; use /v1/completions or set "
-                             "model.chat_template in the topology")
-        msgs = [_flatten_content(m) for m in messages]
-        try:
-            out = self.hf.apply_chat_template(
-                msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=template,
-                tools=tools, **(template_kwargs or {}))
-        except BadRequest:
-            raise
-        except Exception as e:  # jinja errors, raise_exception() in templates
-            raise BadRequest(f"chat template failed: {e}") from None
-        return out if isinstance(out, str) else str(out)
+        # the rendering a text-mode worker applies too: both modes give the same prompt
+        return render_chat(self.hf, chat_template or self.chat_template, messages,
+                           add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message,
+                           template_kwargs=template_kwargs, tools=tools)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_id(self) -> int:
+        """The tokenizer's largest id, added tokens included (vLLM's ``max_token_id``)."""
+        return max(self.backend.get_vocab(with_added_tokens=True).values())
 
     def token_str(self, token_id: int) -> str:
         """Text of one token as logprobs report it (cached: the vocabulary is fixed)."""
@@ -76,19 +74,11 @@ class Preprocessor:
         return s
 
 
-def _flatten_content(msg: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts → a string (vLLM's "string" content format); text only."""
-    content = msg.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            ptype = part.get("type") if isinstance(part, dict) else None
-            if ptype in ("text", "input_text", "refusal"):
-                texts.append(part.get("text") or part.get("refusal") or "")
-            else:
-                raise BadRequest(f"content part type {ptype!r} is not supported (text only)")
-        msg = {**msg, "content": "\n".join(texts)}
-    return msg
+def tool_dicts(tools: Sequence[BaseModel] | None) -> list[dict[str, Any]] | None:
+    """A request's tools as vLLM's chat path hands them to the chat template (``model_dump()``: a
+    tool without a description or parameters renders them as null, as ``vllm serve`` does), so the
+    prompt's tokens are the same as vLLM's (tests/frontend/test_probe_endpoints.py compares)."""
+    return None if tools is None else [t.model_dump() for t in tools]
 
 
 @functools.lru_cache(maxsize=64)
@@ -145,6 +135,8 @@ class ModelPreprocessors:
         path, template = card.tokenizer_path, card.chat_template
         mc = self.model_config
         if mc is not None and mc.name == entry.name:
+            if mc.text_mode:
+                return None  # model.text_mode: the workers tokenize and apply the chat template
             path = mc.tokenizer or mc.path or path
             template = mc.chat_template or template
         if not path or path == "mock":
@@ -152,7 +144,7 @@ class ModelPreprocessors:
         return resolve_model_path(path), template
 
     async def get(self, entry: ModelEntry) -> Preprocessor | None:
-        """None: no usable tokenizer (text mode for completions)."""
+        """None: text mode (model.text_mode, or no usable tokenizer here): workers get text and chats."""
         key = self._key(entry)
         if key is None:
             return None
@@ -167,7 +159,7 @@ class ModelPreprocessors:
     async def _load(self, key: tuple[str, str | None]) -> Preprocessor | None:
         try:
             return await asyncio.to_thread(self.cache.get, *key)
-        except Exception as e:  # no usable tokenizer: text mode for completions
+        except Exception as e:  # no usable tokenizer: text mode (the workers tokenize)
             log.warning("cannot load tokenizer %s (%s): text mode only", key[0], e)
             return None
 

@@ -19,18 +19,28 @@ from config.topology import ModelConfig, PoolConfig, Topology
 log = logging.getLogger(__name__)
 
 
-def _model_vocab_size(path: str) -> int | None:
-    """``vocab_size`` from a local model's config.json ("tiny" = the locally built tiny model)."""
+def _local_model_path(path: str) -> str:
+    """A topology's model or tokenizer path, with "tiny" = the locally built tiny model."""
     if path == "tiny":
         from actors.models.tiny import ensure_tiny_model
 
-        path = str(ensure_tiny_model())
+        return str(ensure_tiny_model())
+    return path
+
+
+def _model_token_facts(path: str) -> dict[str, int]:
+    """``vocab_size`` and ``eos_token_id`` from a local model's config.json ("tiny" = the locally
+    built tiny model), where they are set."""
+    path = _local_model_path(path)
     try:
         with open(f"{path}/config.json") as f:
-            vocab = json.load(f).get("vocab_size")
+            config = json.load(f)
     except (OSError, ValueError):
-        return None  # not a local directory (e.g. a hub id): keep the mocker's default
-    return vocab if isinstance(vocab, int) and vocab > 0 else None
+        return {}  # not a local directory (e.g. a hub id): keep the mocker's defaults
+    facts = {"vocab_size": config.get("vocab_size"), "eos_token_id": config.get("eos_token_id")}
+    if isinstance(facts["eos_token_id"], list) and facts["eos_token_id"]:
+        facts["eos_token_id"] = facts["eos_token_id"][0]  # the mocker ends on one id: the first EOS
+    return {k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
 
 
 def advertised_host(t: Topology, host: str) -> str | None:
@@ -82,12 +92,15 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, 
         # its replay socket's base+1 was never checked at all)
         from actors.engines.mocker.engine import MockerEngine
 
-        if model is not None and "vocab_size" not in args:
+        if model is not None:
             # pseudo-tokens must be ids the model's tokenizer can detokenize: the mocker's default
-            # range (32000) is far beyond the tiny model's 2048, which made most output text empty
-            vocab = _model_vocab_size(model.path)
-            if vocab is not None:
-                args["vocab_size"] = vocab
+            # range (32000) is far beyond the tiny model's 2048, which made most output text empty;
+            # and its EOS must be the model's, or the frontend would show another token's text
+            for key, value in _model_token_facts(model.path).items():
+                args.setdefault(key, value)
+        if model is not None and args.get("script") and "tokenizer" not in args:
+            # a script is text: the mocker encodes its replies and reads prompts with the model's tokenizer
+            args["tokenizer"] = _local_model_path(model.tokenizer or model.path)
         return MockerEngine(args, role=pool.role, served_model_name=served, seed=seed)
     from actors.engines.vllm_engine import VllmEngine
 
@@ -104,6 +117,10 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, 
             args.setdefault("tokenizer", model.tokenizer)
     if pool.prompt_embeds:
         args.setdefault("enable_prompt_embeds", True)
+    if model is not None and model.reasoning_parser:
+        # the engine's structured-output manager then starts a grammar only after the thinking
+        # (tool calls, response_format) as vllm serve --reasoning-parser does
+        args.setdefault("reasoning_parser", model.reasoning_parser)
     return VllmEngine(args, role=pool.role, served_model_name=served, kv_events_port=kv_events_port,
                       env=engine_env(pool, replica, cpu_slot, advertise), identity_lora=pool.lora.identity_adapter)
 

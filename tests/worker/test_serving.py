@@ -163,7 +163,7 @@ async def test_prompt_embeds() -> None:
         assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 7
         for bad, match in [("not base64!", "base64"),
                            (base64.b64encode(b"garbage").decode(), "torch.save"),
-                           (_embeds(torch.randn(1, 7, 16)), "2-D"),
+                           (_embeds(torch.randn(2, 7, 16)), "2-D"),
                            (_embeds({"a": torch.randn(2, 2)}), "tensor"),
                            (_embeds(torch.ones(3, 4, dtype=torch.int64)), "floating")]:
             with pytest.raises(BadRequest, match=match):
