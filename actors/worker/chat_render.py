@@ -103,8 +103,7 @@ class ChatSupport:
     """Whether and how this worker renders chat requests: loaded once per engine start, only for a
     model in text mode (a token-mode worker never imports transformers for it)."""
 
-    def __init__(self, model: str, renderer: ChatRenderer | None, why_not: str) -> None:
-        self.model = model
+    def __init__(self, renderer: ChatRenderer | None, why_not: str) -> None:
         self.renderer = renderer
         self.why_not = why_not  # the 400's reason when there is no renderer
 
@@ -112,24 +111,26 @@ class ChatSupport:
     async def load(cls, model: ModelConfig | None, facts: ModelFacts) -> ChatSupport:
         name = model.name if model is not None else facts.served_model_name
         if model is None or not model.text_mode:
-            return cls(name, None, f"model {name} is not in text mode (model.text_mode), so its workers "
-                                   "do not apply chat templates; they take token ids or a prompt")
+            return cls(None, f"model {name} is not in text mode (model.text_mode), so its workers "
+                             "do not apply chat templates; they take token ids or a prompt")
         try:
             source = await asyncio.to_thread(renderer_source, model, facts)
             if source is None:
-                return cls(name, None, f"model {name} names no tokenizer this worker can load "
-                                       "(model.tokenizer), so it cannot apply the chat template")
+                return cls(None, f"model {name} names no tokenizer this worker can load "
+                                 "(model.tokenizer), so it cannot apply the chat template")
             renderer = await asyncio.to_thread(ChatRenderer, *source)
         except Exception as e:  # noqa: BLE001 - completions still work: chat says why it cannot
             log.warning("text mode: cannot load the chat template of %s: %s", name, e)
-            return cls(name, None, f"this worker could not load the tokenizer of model {name}: {e}")
+            return cls(None, f"this worker could not load the tokenizer of model {name}: {e}")
         log.info("text mode: this worker renders chat for %s (tokenizer %s)", name, source[0])
-        return cls(name, renderer, "")
+        return cls(renderer, "")
 
     def token_request(self, req: GenerateRequest) -> GenerateRequest:
-        """A chat request as the token-id request the engine runs (400 on any failure)."""
+        """A chat request as the token-id request the engine runs (400 on any failure); any other
+        request as it is."""
         chat = req.chat
-        assert chat is not None
+        if chat is None:
+            return req
         others = [n for n in ("token_ids", "prompt", "prompt_embeds") if getattr(req, n) is not None]
         if others:
             raise BadRequest(f"give exactly one of token_ids, prompt, prompt_embeds, chat "
