@@ -18,10 +18,12 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
 from transformers import AutoTokenizer
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionToolsParam
 
 from actors.engines.mocker import tokens as tk
 from actors.engines.mocker.engine import MockerEngine
 from actors.frontend.actor import FrontendActor
+from actors.frontend.preprocess import tool_dicts
 from actors.frontend.responses import WORKER_HEADER
 from actors.models.tiny import ensure_tiny_model
 from actors.worker.engine_actor import EngineActor
@@ -37,7 +39,8 @@ ARGS = {"speedup_ratio": "inf", "max_model_len": 512, "block_size": 16}
 MSGS = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about cats."}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object",
-                                                          "properties": {"city": {"type": "string"}}}}}]
+                                                          "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "now"}}]  # no description, no parameters: nulls
 VOCAB = 32000  # the mocker's default pseudo-token range
 
 
@@ -152,7 +155,9 @@ async def test_tools_reach_the_template_only_with_tool_choice_none(mocker: Mocke
     c = mocker.client
     r = await c.chat.completions.create(model="tiny", messages=MSGS, tools=TOOLS, tool_choice="none",
                                         max_tokens=2, extra_body={"ignore_eos": True})
-    assert r.usage.prompt_tokens == len(template_ids(TOOLS)) > len(template_ids())
+    # the tools as the token-mode frontend hands them to the template (vLLM's model_dump, nulls kept)
+    as_vllm = tool_dicts([ChatCompletionToolsParam.model_validate(t) for t in TOOLS])
+    assert r.usage.prompt_tokens == len(template_ids(as_vllm)) > len(template_ids())
     assert r.choices[0].message.tool_calls is None
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice in ("auto", "required", named, None):  # None: tools without tool_choice mean "auto"
