@@ -178,7 +178,7 @@ def plan_worker_chat(req: ChatCompletionRequest, entry: ModelEntry, lora: str | 
     n = req.n if req.n is not None else 1
     requested = requested_max_tokens(req, body)
     chat = ChatPrompt(messages=list(req.messages),
-                      tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                      tools=tool_dicts(req.tools),  # as token mode renders them
                       add_generation_prompt=req.add_generation_prompt,
                       continue_final_message=req.continue_final_message,
                       add_special_tokens=req.add_special_tokens, chat_template=req.chat_template,

@@ -98,8 +98,9 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, 
             # and its EOS must be the model's, or the frontend would show another token's text
             for key, value in _model_token_facts(model.path).items():
                 args.setdefault(key, value)
-        if model is not None and args.get("script") and "tokenizer" not in args:
-            # a script is text: the mocker encodes its replies and reads prompts with the model's tokenizer
+        if model is not None and (args.get("script") or model.text_mode) and "tokenizer" not in args:
+            # a script is text: the mocker encodes its replies and reads prompts with the model's
+            # tokenizer; in text mode it is what turns the output into the model's text
             args["tokenizer"] = _local_model_path(model.tokenizer or model.path)
         return MockerEngine(args, role=pool.role, served_model_name=served, seed=seed)
     from actors.engines.vllm_engine import VllmEngine

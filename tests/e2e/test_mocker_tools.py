@@ -13,7 +13,9 @@ from typing import Any
 import pytest
 from openai import OpenAI
 
-from tests.e2e.conftest import Deployment, boot, shutdown
+from tests.e2e.conftest import WORKER_HEADER, Deployment, boot, shutdown
+from tests.e2e.test_mocker_deployments import kill_serving_worker
+from tests.helpers import openai_client
 
 # The rendered tool list is part of the prompt, and the script answers the first entry whose
 # trigger occurs in it: the description avoids the trigger words, and the name "get_weather" (which
@@ -161,3 +163,46 @@ def test_tool_result_round_trip(dep: Deployment) -> None:
     assert r.choices[0].message.content.startswith("It is sunny in Paris")
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
     assert "reasoning_content" not in r.choices[0].message.model_extra  # the empty think block is dropped
+
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory: pytest.TempPathFactory, dep: Deployment) -> Iterator[Deployment]:
+    """Two mocker workers at a tenth of real speed: a reply takes long enough to SIGKILL its worker
+    in the middle of it."""
+    shutdown(dep)  # one deployment at a time on the shared machine
+    d = boot(tmp_path_factory, "toolsslow", "mocker-tools.toml", ready={"agg": 2},
+             sets=["pools.agg.replicas=2", "pools.agg.engine_args.speedup_ratio=0.1",
+                   "supervisor.backoff.initial=0.1", "frontend.stall_timeout=3"])
+    try:
+        yield d
+    finally:
+        shutdown(d)
+
+
+async def test_tool_calls_survive_a_worker_kill(slow: Deployment) -> None:
+    """The worker writing the tool calls is SIGKILLed after the first call's first pieces: the rest
+    comes from the other worker with the produced tokens appended, and the frontend's parser, which
+    saw one unbroken stream, returns both calls whole."""
+    c = openai_client(slow.url, timeout=60)
+    raw = await c.chat.completions.with_raw_response.create(
+        model="tiny", messages=ask("Compare the two cities Paris and London"), tools=TOOLS, stream=True)
+    serving, stream = raw.headers[WORKER_HEADER], raw.parse()
+    calls: dict[int, dict[str, str]] = {}
+    finishes: list[str | None] = []
+    killed = False
+    async for ch in stream:
+        if not ch.choices:
+            continue
+        finishes.append(ch.choices[0].finish_reason)
+        for tc in ch.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+            call["name"] += (tc.function.name or "") if tc.function else ""
+            call["arguments"] += (tc.function.arguments or "") if tc.function else ""
+        if calls and not killed:
+            await kill_serving_worker(slow, serving)
+            killed = True
+    assert killed and finishes[-1] == "tool_calls"
+    assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == \
+        [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "London"})]
+    assert "migrating" in slow.output(200_000)
