@@ -174,6 +174,10 @@ class FrontendConfig(_Strict):
     # open HTTP connections; one more gets 503 + Retry-After (an idle keep-alive connection, if any,
     # is closed first to make room). The soft open-files limit is raised to fit when it can be.
     max_connections: int = 2048
+    # run a request's own chat_template (Jinja). Off by default, as vllm serve's
+    # --trust-request-chat-template: a template is code from the client, and even a sandboxed one
+    # can loop for minutes on the frontend's event loop (nested range() loops)
+    trust_request_chat_template: bool = False
     # a request whose serving workers died twice while serving it fails and is not retried;
     # identical requests are then refused for this many seconds (0: fail it, refuse nothing)
     quarantine_ttl: float = 300.0

@@ -53,7 +53,8 @@ class FrontendApp:
                                            metrics=self.metrics, model_config=model_config)
         # the topology's models: 503 while no worker serves them, never 404 (as for chat)
         self._expected = frozenset([model_config.name]) if model_config is not None else frozenset()
-        self.tokenization = Tokenization(workers, self.pipeline.preprocessors, model_config, self._expected)
+        self.tokenization = Tokenization(workers, self.pipeline.preprocessors, model_config, self._expected,
+                                         config.trust_request_chat_template)
         key = secrets.resolve(config.api_key, config.api_key_file, config.api_key_env, "frontend.api_key")
         self._api_key = key.encode() if key else None
         # /health and /live stay open (load balancers, systemd, kubelets probe them without a key);

@@ -94,6 +94,14 @@ def parse_chat(body: bytes) -> ChatCompletionRequest:
     return req
 
 
+def check_request_template(template: str | None, trusted: bool) -> None:
+    """A request's own chat template runs only where the operator allowed it."""
+    if template is not None and not trusted:
+        raise BadRequest("a chat_template in the request is refused: set frontend.trust_request_chat_template "
+                         "= true in the topology to allow it (vllm serve: --trust-request-chat-template)",
+                         param="chat_template")
+
+
 def parse_completion(body: bytes) -> CompletionRequest:
     req: CompletionRequest = _validate(CompletionRequest, body)
     if req.prompt is None and req.prompt_embeds is None:

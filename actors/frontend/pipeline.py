@@ -24,7 +24,7 @@ from .completion_flow import FlowDeps, WorkerLink
 from .discovery import WorkerSet
 from .http_guard import read_body
 from .metrics import FrontendMetrics
-from .openai_io import encode_json, parse_chat, parse_completion
+from .openai_io import check_request_template, encode_json, parse_chat, parse_completion
 from .output_parsing import ModelParsers
 from .planning import Plan, plan_request, resolve
 from .preprocess import ModelPreprocessors, Preprocessor
@@ -59,6 +59,8 @@ class CompletionPipeline:
         status = 500
         try:
             req = parse_chat(body) if chat else parse_completion(body)
+            if chat:
+                check_request_template(req.chat_template, self.config.trust_request_chat_template)
             entry, lora, name = resolve(self.workers, req.model, self._expected)
             label = entry.name
             m.queued.labels(label).inc()

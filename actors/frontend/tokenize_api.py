@@ -22,7 +22,7 @@ from bus.errors import BadRequest
 from config.topology import ModelConfig
 
 from .discovery import ModelEntry, WorkerSet
-from .openai_io import _validate
+from .openai_io import _validate, check_request_template
 from .planning import resolve
 from .preprocess import ModelPreprocessors, Preprocessor, tool_dicts
 
@@ -51,7 +51,8 @@ class Tokenization:
     """The two endpoints, for the models this frontend serves (base models and their adapters)."""
 
     def __init__(self, workers: WorkerSet, preprocessors: ModelPreprocessors, model_config: ModelConfig | None,
-                 expected: frozenset[str]) -> None:
+                 expected: frozenset[str], trust_request_chat_template: bool = False) -> None:
+        self.trust_request_chat_template = trust_request_chat_template
         self.workers = workers
         self.preprocessors = preprocessors
         self.model_config = model_config
@@ -59,6 +60,8 @@ class Tokenization:
 
     async def tokenize(self, body: bytes) -> dict[str, Any]:
         req = parse_tokenize(body)
+        if isinstance(req, TokenizeChatRequest):
+            check_request_template(req.chat_template, self.trust_request_chat_template)
         entry, pre = await self._model(req.model)
         if isinstance(req, TokenizeChatRequest):
             # what planning does for a chat request with these fields

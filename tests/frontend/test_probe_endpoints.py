@@ -48,7 +48,7 @@ async def agg(deploy: Deployment, bus: Any) -> AsyncIterator[Deployment]:
     w = await deploy.worker()
     loras = await _lora(bus, w, "tiny-lora")
     await _lora(bus, w, "org/tiny-lora")
-    await deploy.start_frontend()
+    await deploy.start_frontend(trust_request_chat_template=True)  # the template variants send their own
     await deploy.wait_ready(1)
     assert deploy.frontend is not None
     await eventually(lambda: {"tiny-lora", "org/tiny-lora"} <= set(deploy.frontend.workers.loras))

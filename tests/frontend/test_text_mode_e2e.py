@@ -80,7 +80,8 @@ async def mocker(nats_server: EmbeddedNats) -> AsyncIterator[Mocker]:
     ctx = await open_context(nats_server.url, namespace="tm" + secrets.token_hex(4), host="testhost",
                              name="text-mode-test")
     workers = [await start_worker(ctx, f"m{i}") for i in range(2)]
-    fe = await start_frontend(ctx, TEXT_MODEL, 2, router="kv")  # kv: routes requests without tokens too
+    # kv: routes requests without tokens too; trusted request templates: the failure test sends one
+    fe = await start_frontend(ctx, TEXT_MODEL, 2, router="kv", trust_request_chat_template=True)
     try:
         yield Mocker(ctx, fe, workers)
     finally:

@@ -97,3 +97,23 @@ async def test_unusable_parser_is_a_clear_500_and_plain_chat_still_serves(deploy
     assert "model.tool_call_parser='mistral'" in ei.value.body["message"]
     r = await c.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=4)
     assert r.choices[0].message.content
+
+
+async def test_a_request_chat_template_needs_the_operators_trust(deploy: Any, http: Any) -> None:
+    """A template is code from the client (a sandboxed Jinja loop can still run for minutes): refused
+    unless frontend.trust_request_chat_template is set, as vllm serve's --trust-request-chat-template."""
+    await deploy.worker()
+    await deploy.start_frontend()
+    await deploy.wait_ready(1)
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(openai.BadRequestError) as ei:
+        await client(deploy).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2,
+                                                     extra_body={"chat_template": template})
+    assert "frontend.trust_request_chat_template" in ei.value.body["message"]
+    assert ei.value.body["param"] == "chat_template"
+    async with http.post(deploy.url + "/tokenize", json={"model": MODEL, "messages": MSGS,
+                                                         "chat_template": template}) as resp:
+        assert resp.status == 400 and "trust_request_chat_template" in (await resp.json())["error"]["message"]
+    # without one, the model's template serves as before
+    r = await client(deploy).chat.completions.create(model=MODEL, messages=MSGS, max_tokens=2)
+    assert r.choices[0].message.content

@@ -5,10 +5,8 @@ One engine for the module (~30 s to start on CPU).
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,14 +17,11 @@ from openai import AsyncOpenAI
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams
 
-from actors.frontend.actor import FrontendActor
 from actors.frontend.responses import WORKER_HEADER
 from actors.worker.engine_actor import EngineActor
-from actors.worker.engine_factory import build_engine
-from bus.context import open_context
 from bus.embedded import EmbeddedNats
-from config.topology import FrontendConfig, ModelConfig, PoolConfig
-from tests.helpers import openai_client
+from config.topology import ModelConfig, PoolConfig
+from tests.frontend.vllm_stack import vllm_stack
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
@@ -40,25 +35,8 @@ MSGS = [{"role": "user", "content": "Tell me a story about a cat."}]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(nats_server: EmbeddedNats) -> AsyncIterator[tuple[AsyncOpenAI, EngineActor]]:
-    ns = "fv" + secrets.token_hex(4)
-    ctx = await open_context(nats_server.url, namespace=ns, host="testhost", name="frontend-vllm-test")
-    worker = EngineActor(ctx.child(), pool_name="agg", pool=POOL, model=MODEL, instance="vw",
-                         engine_factory=lambda: build_engine(POOL, MODEL))
-    await worker.start()
-    fe = FrontendActor(ctx.child(), config=FrontendConfig(http="127.0.0.1:0", stall_timeout=30.0),
-                       model_config=MODEL)
-    await fe.start()
-    for _ in range(200):
-        if fe.workers.ready_instances() and fe.workers.models:
-            break
-        await asyncio.sleep(0.05)
-    await fe.app.pipeline.preprocessors.get(fe.workers.models["tiny"])
-    try:
-        yield openai_client(f"http://127.0.0.1:{fe.port}", timeout=120), worker
-    finally:
-        await fe.stop(2.0)
-        await worker.stop(20.0)
-        await ctx.close()
+    async with vllm_stack(nats_server.url, pool=POOL, model=MODEL, instance="vw") as st:
+        yield st.client, st.worker
 
 
 async def test_chat_stream_equals_non_stream(stack: Any) -> None:

@@ -7,12 +7,10 @@ One engine (a pool with prompt_embeds = true) and its KV publisher for the modul
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import importlib.util
 import io
 import os
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,12 +27,12 @@ from actors.engines.protocol import SamplingOptions, TokensPrompt
 from actors.frontend.actor import FrontendActor
 from actors.kv import hashing
 from actors.worker.engine_actor import EngineActor
-from actors.worker.engine_factory import build_engine
 from actors.worker.kv_publisher import KvPublisherActor
-from bus.context import open_context
+from bus.context import BusContext
 from bus.embedded import EmbeddedNats
-from config.topology import FrontendConfig, ModelConfig, PoolConfig
-from tests.helpers import eventually, openai_client
+from config.topology import ModelConfig, PoolConfig
+from tests.frontend.vllm_stack import vllm_stack
+from tests.helpers import eventually
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
@@ -70,34 +68,24 @@ def ids_of(seed: int, n: int) -> list[int]:
     return torch.randint(10, 2000, (n,), generator=g).tolist()
 
 
+async def _publisher(ctx: BusContext, worker: EngineActor) -> KvPublisherActor:
+    """The worker's KV publisher: the kv router learns what vLLM stored (the "never a wrong hit" test)."""
+    engine = worker.service.engine
+    pub = KvPublisherActor(ctx, worker.instance, "agg", "tiny", engine.facts.block_size, engine.kv_event_sources())
+    await pub.start()
+    return pub
+
+
+def _router_fed(fe: FrontendActor) -> bool:
+    policy = fe._router
+    return policy.feed_started.is_set() and bool(policy.feed.known_workers())
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack(nats_server: EmbeddedNats) -> AsyncIterator[Stack]:
-    ns = "pe" + secrets.token_hex(4)
-    ctx = await open_context(nats_server.url, namespace=ns, host="testhost", name="prompt-embeds-vllm-test")
-    worker = EngineActor(ctx.child(), pool_name="agg", pool=POOL, model=MODEL, instance="pe0",
-                         engine_factory=lambda: build_engine(POOL, MODEL))
-    await worker.start()
-    facts = worker.service.engine.facts
-    pub = KvPublisherActor(ctx.child(), worker.instance, "agg", "tiny", facts.block_size,
-                           worker.service.engine.kv_event_sources())
-    await pub.start()
-    fe = FrontendActor(ctx.child(), config=FrontendConfig(http="127.0.0.1:0", stall_timeout=30.0, router="kv"),
-                       model_config=MODEL)
-    await fe.start()
-    try:
-        for _ in range(400):
-            policy = fe._router
-            if (fe.workers.ready_instances() and fe.workers.models and policy.feed_started.is_set()
-                    and policy.feed.known_workers()):
-                break
-            await asyncio.sleep(0.05)
-        await fe.app.pipeline.preprocessors.get(fe.workers.models["tiny"])
-        yield Stack(openai_client(f"http://127.0.0.1:{fe.port}", timeout=120), worker, fe)
-    finally:
-        await fe.stop(2.0)
-        await pub.stop(2.0)
-        await worker.stop(20.0)
-        await ctx.close()
+    async with vllm_stack(nats_server.url, pool=POOL, model=MODEL, instance="pe0", router="kv",
+                          beside=_publisher, ready=_router_fed) as st:
+        yield Stack(st.client, st.worker, st.frontend)
 
 
 async def test_the_card_tells_the_frontend_hidden_size_and_switch(stack: Stack) -> None:
