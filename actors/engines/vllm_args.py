@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from actors.engines.protocol import Role
+from actors.models.tiny import resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +42,6 @@ def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
-
-
-def resolve_model(model: str) -> str:
-    """``"tiny"`` means the locally built tiny model (built on first use)."""
-    if model == "tiny":
-        from actors.models.tiny import ensure_tiny_model
-
-        return str(ensure_tiny_model())
-    return model
 
 
 def default_env(cpu: bool) -> dict[str, str]:
@@ -160,7 +152,7 @@ def build_engine_args(engine_args: Mapping[str, Any], role: Role = "agg",
                          "(see `vllm serve --help` for the valid names, with '-' as '_')")
     if "model" not in args:
         raise ValueError("engine args need a 'model' (a path, a hub id, or 'tiny')")
-    args["model"] = resolve_model(str(args["model"]))
+    args["model"] = resolve_model_path(str(args["model"]))
     if args.get("tokenizer") == "tiny":
         args["tokenizer"] = args["model"]
     if served_model_name and "served_model_name" not in args:

@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from actors.models.tiny import resolve_model_path
 from actors.worker.chat_render import render_chat
 from config.topology import ModelConfig
 
@@ -79,16 +80,6 @@ def tool_dicts(tools: Sequence[BaseModel] | None) -> list[dict[str, Any]] | None
     tool without a description or parameters renders them as null, as ``vllm serve`` does), so the
     prompt's tokens are the same as vLLM's (tests/frontend/test_probe_endpoints.py compares)."""
     return None if tools is None else [t.model_dump() for t in tools]
-
-
-@functools.lru_cache(maxsize=64)
-def resolve_model_path(path: str) -> str:
-    """Topology shorthand: "tiny" is the locally built tiny model (built on first use)."""
-    if path == "tiny":
-        from actors.models.tiny import ensure_tiny_model
-
-        return str(ensure_tiny_model())
-    return path
 
 
 class PreprocessorCache:

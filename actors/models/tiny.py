@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -173,6 +174,13 @@ def ensure_tiny_model(out: Path | str | None = None, seed: int = DEFAULT_SEED, f
             return model_dir
         _build_all(model_dir, seed)
     return model_dir
+
+
+@functools.lru_cache(maxsize=64)
+def resolve_model_path(path: str) -> str:
+    """A topology's model or tokenizer path: "tiny" is this model (built on first use), any other
+    path is as given. Cached: a frontend resolves its model's path on every request."""
+    return str(ensure_tiny_model()) if path == "tiny" else path
 
 
 def _build_all(model_dir: Path, seed: int) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from actors.engines.protocol import ModelFacts
+from actors.models.tiny import resolve_model_path
 from actors.worker.contract import ChatPrompt, GenerateRequest
 from bus.errors import BadRequest
 from config.topology import ModelConfig
@@ -92,11 +93,7 @@ def renderer_source(model: ModelConfig | None, facts: ModelFacts) -> tuple[str, 
     path = path or facts.tokenizer_path
     if not path or path == "mock":
         return None
-    if path == "tiny":  # the topology's shorthand for the locally built tiny model
-        from actors.models.tiny import ensure_tiny_model
-
-        path = str(ensure_tiny_model())
-    return path, model.chat_template if model is not None else None
+    return resolve_model_path(path), model.chat_template if model is not None else None
 
 
 class ChatSupport:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from actors.engines.protocol import Engine
+from actors.models.tiny import resolve_model_path
 from bus.addresses import advertised_address, remote_hosts
 from bus.embedded import free_port
 from config.topology import ModelConfig, PoolConfig, Topology
@@ -19,19 +20,10 @@ from config.topology import ModelConfig, PoolConfig, Topology
 log = logging.getLogger(__name__)
 
 
-def _local_model_path(path: str) -> str:
-    """A topology's model or tokenizer path, with "tiny" = the locally built tiny model."""
-    if path == "tiny":
-        from actors.models.tiny import ensure_tiny_model
-
-        return str(ensure_tiny_model())
-    return path
-
-
 def _model_token_facts(path: str) -> dict[str, int]:
     """``vocab_size`` and ``eos_token_id`` from a local model's config.json ("tiny" = the locally
     built tiny model), where they are set."""
-    path = _local_model_path(path)
+    path = resolve_model_path(path)
     try:
         with open(f"{path}/config.json") as f:
             config = json.load(f)
@@ -101,7 +93,7 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, 
         if model is not None and (args.get("script") or model.text_mode) and "tokenizer" not in args:
             # a script is text: the mocker encodes its replies and reads prompts with the model's
             # tokenizer; in text mode it is what turns the output into the model's text
-            args["tokenizer"] = _local_model_path(model.tokenizer or model.path)
+            args["tokenizer"] = resolve_model_path(model.tokenizer or model.path)
         return MockerEngine(args, role=pool.role, served_model_name=served, seed=seed)
     from actors.engines.vllm_engine import VllmEngine
 
