@@ -51,9 +51,7 @@ class FrontendApp:
         self.metrics = metrics or FrontendMetrics()
         self.pipeline = CompletionPipeline(workers=workers, router=router, link=link, config=config,
                                            metrics=self.metrics, model_config=model_config)
-        # the topology's models: 503 while no worker serves them, never 404 (as for chat)
-        self._expected = frozenset([model_config.name]) if model_config is not None else frozenset()
-        self.tokenization = Tokenization(workers, self.pipeline.preprocessors, model_config, self._expected,
+        self.tokenization = Tokenization(workers, self.pipeline.preprocessors, self.pipeline.expected,
                                          config.trust_request_chat_template)
         key = secrets.resolve(config.api_key, config.api_key_file, config.api_key_env, "frontend.api_key")
         self._api_key = key.encode() if key else None
@@ -120,7 +118,7 @@ class FrontendApp:
         # the deployment is then "not ready yet" (503, Retry-After), as chat's resolve answers, not
         # "does not exist": a 404 would tell a client probing at start-up to give up on a model that
         # is about to be served. resolve raises 503 for such a model and 404 for an unknown one.
-        resolve(self.workers, name, self._expected)
+        resolve(self.workers, name, self.pipeline.expected)
         # servable now, but the deployment as a whole is not ready, so /v1/models does not list it
         raise NotReady(f"model {name} is not ready yet: the deployment is not ready (see /health)")
 

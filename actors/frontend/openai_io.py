@@ -73,7 +73,8 @@ def _early_read_error(body: bytes) -> BadRequest | None:
     return None
 
 
-def _validate(model: type[pydantic.BaseModel], body: bytes) -> Any:
+def validate_json(model: type[pydantic.BaseModel], body: bytes) -> Any:
+    """``body`` as one of vLLM's pydantic request models; any failure is a 400 naming the field."""
     try:
         return model.model_validate_json(body)
     except (pydantic.ValidationError, ValueError, VLLMValidationError) as e:
@@ -86,7 +87,7 @@ def _validate(model: type[pydantic.BaseModel], body: bytes) -> Any:
 
 
 def parse_chat(body: bytes) -> ChatCompletionRequest:
-    req: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
+    req: ChatCompletionRequest = validate_json(ChatCompletionRequest, body)
     if not req.messages:
         raise BadRequest("messages must not be empty")
     if req.use_beam_search:
@@ -103,7 +104,7 @@ def check_request_template(template: str | None, trusted: bool) -> None:
 
 
 def parse_completion(body: bytes) -> CompletionRequest:
-    req: CompletionRequest = _validate(CompletionRequest, body)
+    req: CompletionRequest = validate_json(CompletionRequest, body)
     if req.prompt is None and req.prompt_embeds is None:
         raise BadRequest("either prompt or prompt_embeds is required")
     if req.use_beam_search:

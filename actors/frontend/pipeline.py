@@ -46,7 +46,7 @@ class CompletionPipeline:
         self.metrics = metrics
         self.model_config = model_config
         # the topology's models answer 503 while no worker serves them, instead of 404
-        self._expected = frozenset([model_config.name]) if model_config is not None else frozenset()
+        self.expected = frozenset([model_config.name]) if model_config is not None else frozenset()
         self.preprocessors = ModelPreprocessors(workers, model_config)
         self._parsers: dict[tuple[int, str | None, str | None], ModelParsers] = {}
 
@@ -61,7 +61,7 @@ class CompletionPipeline:
             req = parse_chat(body) if chat else parse_completion(body)
             if chat:
                 check_request_template(req.chat_template, self.config.trust_request_chat_template)
-            entry, lora, name = resolve(self.workers, req.model, self._expected)
+            entry, lora, name = resolve(self.workers, req.model, self.expected)
             label = entry.name
             m.queued.labels(label).inc()
             try:

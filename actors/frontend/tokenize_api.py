@@ -19,10 +19,9 @@ from vllm.entrypoints.serve.tokenize.protocol import (
 
 from actors.engines.limits import LimitError, Limits, check_prompt_ids
 from bus.errors import BadRequest
-from config.topology import ModelConfig
 
 from .discovery import ModelEntry, WorkerSet
-from .openai_io import _validate, check_request_template
+from .openai_io import check_request_template, validate_json
 from .planning import resolve
 from .preprocess import ModelPreprocessors, Preprocessor, tool_dicts
 
@@ -44,18 +43,17 @@ def parse_tokenize(body: bytes) -> TokenizeCompletionRequest | TokenizeChatReque
         chat = _form_decoder.decode(body).messages is not msgspec.UNSET
     except (msgspec.DecodeError, msgspec.ValidationError):
         chat = False  # not a JSON object: pydantic words the error below
-    return _validate(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+    return validate_json(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
 
 
 class Tokenization:
     """The two endpoints, for the models this frontend serves (base models and their adapters)."""
 
-    def __init__(self, workers: WorkerSet, preprocessors: ModelPreprocessors, model_config: ModelConfig | None,
-                 expected: frozenset[str], trust_request_chat_template: bool = False) -> None:
+    def __init__(self, workers: WorkerSet, preprocessors: ModelPreprocessors, expected: frozenset[str],
+                 trust_request_chat_template: bool = False) -> None:
         self.trust_request_chat_template = trust_request_chat_template
         self.workers = workers
         self.preprocessors = preprocessors
-        self.model_config = model_config
         self.expected = expected  # the topology's models: 503 while not servable, as for chat
 
     async def tokenize(self, body: bytes) -> dict[str, Any]:
@@ -78,7 +76,7 @@ class Tokenization:
                                 token_strs=strs).model_dump()
 
     async def detokenize(self, body: bytes) -> dict[str, Any]:
-        req: DetokenizeRequest = _validate(DetokenizeRequest, body)
+        req: DetokenizeRequest = validate_json(DetokenizeRequest, body)
         entry, pre = await self._model(req.model)
         # vLLM's /detokenize drops unknown ids silently; here they are a 400, with the bound vLLM's
         # renderer puts on prompt ids: known to the tokenizer or to the model (a model's embedding
@@ -94,12 +92,9 @@ class Tokenization:
     async def _model(self, name: str | None) -> tuple[ModelEntry, Preprocessor]:
         """The named model's entry and tokenizer; the same 404/503 rules as a chat request."""
         entry, _lora, _name = resolve(self.workers, name, self.expected)
-        mc = self.model_config
-        if mc is not None and mc.name == entry.name and mc.text_mode:
-            raise BadRequest(f"model {entry.name} runs in text mode (model.text_mode): its workers tokenize, "
-                             "and this frontend has no tokenizer for /tokenize and /detokenize", param="model")
         pre = await self.preprocessors.get(entry)
-        if pre is None:
-            raise BadRequest(f"no tokenizer for model {entry.name} at this frontend (set model.tokenizer in "
-                             "the topology): /tokenize and /detokenize need one", param="model")
+        if pre is None:  # model.text_mode, or no tokenizer loadable here (preprocess)
+            raise BadRequest(f"model {entry.name} runs in text mode (its workers tokenize): this frontend has "
+                             "no tokenizer for /tokenize and /detokenize (model.text_mode, model.tokenizer)",
+                             param="model")
         return entry, pre
