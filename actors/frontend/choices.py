@@ -30,8 +30,7 @@ Queued = tuple["Choice", GenerateChunk | None, BaseException | None]
 class Choice:
     """One output choice: a flow plus its text stream; turns worker chunks into client deltas."""
 
-    __slots__ = ("index", "flow", "text", "pre", "finish_reason", "stop_reason", "obs", "parsing",
-                 "keep_stop_token")
+    __slots__ = ("index", "flow", "text", "pre", "finish_reason", "stop_reason", "obs", "parsing")
 
     def __init__(self, index: int, flow: CompletionFlow, plan: Plan, prompt_ids: list[int] | None) -> None:
         self.index = index
@@ -41,7 +40,6 @@ class Choice:
         backend = plan.pre.backend if plan.pre is not None else None
         self.text = TextStream(backend, prompt_ids, out.stop, skip_special_tokens=out.skip_special_tokens,
                                include_stop_str_in_output=out.include_stop_str_in_output)
-        self.keep_stop_token = out.include_stop_str_in_output
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.obs: RequestObservation | None = None  # set by the pipeline: the planner's view
@@ -70,12 +68,8 @@ class Choice:
         """Delta text for a chunk; sets finish_reason when the choice is complete."""
         ts = self.text
         if self.pre is not None and chunk.token_ids and not chunk.text:
-            ids = chunk.token_ids
-            if chunk.finish_reason == "stop" and not self.keep_stop_token:
-                # a token-mode worker stops on a token (EOS or a stop_token_id; stop strings are
-                # ours): vLLM leaves that token out of the text unless include_stop_str_in_output
-                ids = ids[:-1]
-            delta = ts.add_tokens(ids)
+            # a token-mode worker's "stop" is a stop token (stop strings are the frontend's)
+            delta = ts.add_tokens(chunk.token_ids, stop_terminated=chunk.finish_reason == "stop")
         else:
             delta = ts.add_text(chunk.text or "")
         if ts.stop_hit is not None:

@@ -36,10 +36,14 @@ class TextStream:
     def text(self) -> str:
         return self._text
 
-    def add_tokens(self, token_ids: list[int]) -> str:
-        """Feed new tokens; return the text that is safe to send now ("" if held back)."""
+    def add_tokens(self, token_ids: list[int], stop_terminated: bool = False) -> str:
+        """Feed new tokens; return the text that is safe to send now ("" if held back).
+        ``stop_terminated``: the last id is the token the engine stopped on (EOS or a stop_token_id),
+        which vLLM's detokenizer leaves out of the text unless include_stop_str_in_output."""
         if self.stop_hit is not None:
             return ""
+        if stop_terminated and not self._include:
+            token_ids = token_ids[:-1]
         new = []
         step = self._stream.step
         for t in token_ids:
