@@ -116,6 +116,21 @@ class ParsedMessage:
     tool_calls: list[dict[str, Any]]
     tools_called: bool  # auto parsing found calls (finish_reason "tool_calls")
 
+    def fields(self) -> dict[str, Any]:
+        """The chat message's fields (beside its role)."""
+        out: dict[str, Any] = {"content": self.content}
+        if self.reasoning is not None:
+            out.update(reasoning_fields(self.reasoning))
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
+
+
+def reasoning_fields(text: str) -> dict[str, str]:
+    """Reasoning under both names clients read: ``reasoning_content`` (DeepSeek's, the reference
+    backend's) and ``reasoning`` (vLLM's since it renamed the field)."""
+    return {"reasoning": text, "reasoning_content": text}
+
 
 class RequestParsing:
     """One request's parsing: adjusts the request once, then gives each choice its own parser
@@ -184,7 +199,7 @@ class ChoiceParsing:
             return None
         out: dict[str, Any] = {}
         if dm.reasoning:
-            out["reasoning"] = out["reasoning_content"] = dm.reasoning
+            out.update(reasoning_fields(dm.reasoning))
         if dm.content:
             out["content"] = dm.content
         calls = [tc for tc in dm.tool_calls if self.req.parallel_tool_calls is not False or tc.index == 0]

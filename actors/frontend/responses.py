@@ -225,11 +225,7 @@ class ResponseBuilder:
                 finish = c.finish_reason
                 if c.parsing is not None:
                     parsed = c.parsing.whole(text, self._ids[c.index])
-                    message["content"] = parsed.content
-                    if parsed.reasoning is not None:
-                        message["reasoning"] = message["reasoning_content"] = parsed.reasoning
-                    if parsed.tool_calls:
-                        message["tool_calls"] = parsed.tool_calls
+                    message.update(parsed.fields())
                     finish = c.parsing.whole_finish(parsed, finish or "stop")
                 out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish,
                             "stop_reason": c.stop_reason})
