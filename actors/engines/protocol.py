@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
-Role = Literal["agg", "prefill", "decode"]
+# encode: the vision encoder only (E/P/D); its outputs feed an agg or prefill worker's engine
+Role = Literal["agg", "prefill", "decode", "encode"]
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -80,8 +81,35 @@ class EngineOutput(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 # --- prompts ------------------------------------------------------------------------------------
+class ImageInput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One image of a multimodal prompt, as the frontend checked it."""
+
+    # sha256 (hex) of ``data``: vLLM's ``multi_modal_uuids`` entry, so the engine's prefix cache, its
+    # KV events and the router all name the image by the same content hash
+    uuid: str
+    data: bytes  # the image file (PNG, JPEG, ...) as the client sent it; the engine decodes it
+    # E/P/D: the encode worker's output for this image (a safetensors file, vLLM's EC connector
+    # layout); the engine loads it instead of running its vision encoder
+    encoder_output: bytes | None = None
+
+
+class MultiModalInput(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The images of a token prompt. ``token_ids`` of the request is the prompt as the engine runs
+    it (each image expanded into its placeholder tokens by vLLM's processor at the frontend), so
+    lengths, usage, routing and migration work on it as on any prompt; the engine itself is given
+    ``source_ids`` (one placeholder per image, what vLLM's processor expands) and the images."""
+
+    images: list[ImageInput]
+    source_ids: list[int]  # the rendered prompt before expansion
+    prompt_len: int  # length of the expanded prompt: token ids past it are a migrated continuation
+    # (offset, length) of each image's placeholder range in the expanded prompt, as vLLM's
+    # processor reports it: the KV events' ``(mm_identifier, offset)`` keys derive from these
+    placeholders: list[tuple[int, int]]
+
+
 class TokensPrompt(msgspec.Struct, tag="tokens"):
     token_ids: list[int]
+    mm: MultiModalInput | None = None
 
 
 class TextPrompt(msgspec.Struct, tag="text"):
@@ -116,6 +144,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     hidden_size: int | None = None
     vocab_size: int | None = None
     eos_token_ids: list[int] = []
+    input_modalities: list[str] = ["text"]  # what prompts may hold besides tokens ("image")
     max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's --max-logprobs; -1: vocab_size)
 
 

@@ -28,8 +28,19 @@ def model_facts(llm: Any) -> ModelFacts:
         total_kv_blocks=int(cc.num_gpu_blocks or 0),
         dp_size=cfg.parallel_config.data_parallel_size,
         hidden_size=mc.get_hidden_size(), vocab_size=mc.get_vocab_size(), eos_token_ids=eos,
-        max_logprobs=mc.max_logprobs,
+        max_logprobs=mc.max_logprobs, input_modalities=input_modalities(mc),
     )
+
+
+def input_modalities(mc: Any) -> list[str]:
+    """["text"], plus "image" for a model whose vLLM processor takes images (and whose per-prompt
+    image limit is not 0: ``limit_mm_per_prompt={"image": 0}`` turns them off)."""
+    if not getattr(mc, "is_multimodal_model", False):
+        return ["text"]
+    mm = getattr(mc, "multimodal_config", None)
+    if mm is None:
+        return ["text"]
+    return ["text"] + (["image"] if mm.get_limit_per_prompt("image") else [])
 
 
 def kv_event_sources(llm: Any, dp_size: int) -> list[KvEventSource]:

@@ -12,6 +12,7 @@ from actors.engines.protocol import (
     EngineOutput,
     FinishReason,
     LoraRef,
+    MultiModalInput,
     Prompt,
     Role,
     SamplingOptions,
@@ -61,6 +62,8 @@ def sampling_params(s: SamplingOptions, role: Role, kv_transfer_params: dict[str
 
 def vllm_prompt(prompt: Prompt) -> Any:
     if isinstance(prompt, TokensPrompt):
+        if prompt.mm is not None:
+            return mm_prompt(prompt.token_ids, prompt.mm)
         return {"prompt_token_ids": list(prompt.token_ids)}
     if isinstance(prompt, TextPrompt):
         return {"prompt": prompt.text}
@@ -68,6 +71,25 @@ def vllm_prompt(prompt: Prompt) -> Any:
 
     tensor = prompt.tensor if isinstance(prompt.tensor, torch.Tensor) else torch.tensor(prompt.tensor)
     return {"prompt_embeds": tensor}
+
+
+def mm_prompt(token_ids: list[int], mm: MultiModalInput) -> dict[str, Any]:
+    """A multimodal token prompt as vLLM takes it: the unexpanded ids (vLLM's processor expands each
+    image's placeholder again, exactly as the frontend's copy of it did), then any migrated
+    continuation; the images decoded, named by their content hashes (``multi_modal_uuids``: the
+    prefix cache, the KV events and the EC connector's files all use these names)."""
+    import io
+
+    from PIL import Image
+
+    images = []
+    for item in mm.images:
+        img = Image.open(io.BytesIO(item.data))
+        img.load()
+        images.append(img)
+    return {"prompt_token_ids": list(mm.source_ids) + list(token_ids[mm.prompt_len:]),
+            "multi_modal_data": {"image": images},
+            "multi_modal_uuids": {"image": [item.uuid for item in mm.images]}}
 
 
 def engine_output(out: Any, first: bool, sampling: SamplingOptions) -> EngineOutput:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from actors.engines.protocol import EngineOutput, KvEventSource, SamplingOptions, StepSample
+from actors.engines.protocol import EngineOutput, KvEventSource, MultiModalInput, SamplingOptions, StepSample
 from bus.errors import FatalError
 
 
@@ -61,6 +61,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt: str | None = None
     prompt_embeds: str | None = None  # base64 of a torch.save'd 2-D tensor [seq, hidden]
     chat: ChatPrompt | None = None
+    mm: MultiModalInput | None = None  # the images of a token_ids prompt (token_ids is expanded)
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     lora_name: str | None = None
     prefill_result: PrefillResult | None = None  # decode role
@@ -170,6 +171,23 @@ class EngineLoraList(msgspec.Struct, kw_only=True):
     adapters: list[EngineLoraAdd] = []
 
 
+class EncodeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Frontend → encode worker (verb VERB_ENCODE): run the vision encoder on a prompt's images."""
+
+    request_id: str
+    token_ids: list[int]  # the expanded prompt (as GenerateRequest.token_ids)
+    mm: MultiModalInput  # images without encoder outputs
+
+
+class EncodedImage(msgspec.Struct, kw_only=True):
+    uuid: str
+    encoder_output: bytes  # safetensors file of the image's encoder output (vLLM's EC layout)
+
+
+class EncodeReply(msgspec.Struct, kw_only=True):
+    outputs: list[EncodedImage]
+
+
 # Control verbs of the engine actor, for ``Subjects.worker(instance, verb)``.
 VERB_SLEEP = "sleep"
 VERB_WAKE_UP = "wake_up"
@@ -177,6 +195,7 @@ VERB_CLEAR_KV_BLOCKS = "clear_kv_blocks"
 VERB_HEALTH = "health"
 VERB_CANCEL = "cancel"
 VERB_STATS = "stats"
+VERB_ENCODE = "encode"  # encode workers (E/P/D): EncodeRequest -> EncodeReply
 # Engine-side adapter endpoints used by the LoRA manager (the user-facing verbs are lora.load|unload|list).
 ENGINE_LORA_ADD = "engine.lora_add"
 ENGINE_LORA_REMOVE = "engine.lora_remove"

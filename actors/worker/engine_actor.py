@@ -160,7 +160,8 @@ class EngineActor(Actor):
                          migration_limit=m.migration_limit if m else 3,
                          chat_template=m.chat_template if m else None,
                          vocab_size=f.vocab_size, max_logprobs=f.max_logprobs,
-                         hidden_size=f.hidden_size, prompt_embeds=self.pool.prompt_embeds)
+                         hidden_size=f.hidden_size, prompt_embeds=self.pool.prompt_embeds,
+                         input_modalities=list(f.input_modalities))
 
     def statistics(self) -> dict[str, Any]:
         svc = self.service

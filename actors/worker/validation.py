@@ -16,6 +16,7 @@ from actors.engines.prompt_embeds import EmbedsTooLarge, decode_embeds
 from actors.engines.protocol import (
     EmbedsPrompt,
     ModelFacts,
+    MultiModalInput,
     Prompt,
     SamplingOptions,
     TextPrompt,
@@ -81,7 +82,10 @@ def build_prompt(req: GenerateRequest, facts: ModelFacts, embeds_enabled: bool) 
             check_prompt_ids(req.token_ids, Limits.of(facts), "token_ids")
         except LimitError as e:
             raise BadRequest(str(e), param=e.param) from None
-        return TokensPrompt(token_ids=list(req.token_ids)), len(req.token_ids)
+        mm = check_mm(req.mm, len(req.token_ids), facts) if req.mm is not None else None
+        return TokensPrompt(token_ids=list(req.token_ids), mm=mm), len(req.token_ids)
+    if req.mm is not None:
+        raise BadRequest("images (mm) go with a token_ids prompt", param="mm")
     if req.prompt is not None:
         if not req.prompt:
             raise BadRequest("prompt is empty")
@@ -109,3 +113,25 @@ def kv_params_for(role: str, req: GenerateRequest) -> dict[str, Any] | None:
     if req.kv_transfer_params:
         params.update(req.kv_transfer_params)
     return params or None
+
+
+_UUID_HEX = frozenset("0123456789abcdef")
+
+
+def check_mm(mm: MultiModalInput, n_tokens: int, facts: ModelFacts) -> MultiModalInput:
+    """A token prompt's images, checked before they reach the engine: the model takes images, each
+    image's id is a content hash (it names a file in E/P/D's encoder-output hand-off: never a path),
+    and the placeholder ranges lie in the prompt."""
+    if "image" not in facts.input_modalities:
+        raise BadRequest(f"model {facts.served_model_name} does not take images", param="messages")
+    if not mm.images or len(mm.placeholders) != len(mm.images):
+        raise BadRequest("mm needs one placeholder range per image", param="mm")
+    for img in mm.images:
+        if len(img.uuid) != 64 or not set(img.uuid) <= _UUID_HEX:
+            raise BadRequest("an image uuid is the sha256 hex of its data", param="mm")
+    if not mm.source_ids or not 0 < mm.prompt_len <= n_tokens:
+        raise BadRequest("mm.source_ids must be given and mm.prompt_len lie within token_ids", param="mm")
+    for offset, length in mm.placeholders:
+        if offset < 0 or length <= 0 or offset + length > mm.prompt_len:
+            raise BadRequest("an image placeholder range lies outside the prompt", param="mm")
+    return mm
