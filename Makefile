@@ -22,6 +22,7 @@ install: $(STAMP)
 
 model: install
 	$(PY) -m actors.models.tiny
+	$(PY) -m actors.models.tiny_vlm
 
 run: model
 	$(PY) -m actors.supervisor $(TOPOLOGY)
@@ -32,6 +33,7 @@ test: install
 	@command -v systemd-analyze >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null)
 	@command -v ip >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null)
 	$(PY) -m actors.models.tiny
+	$(PY) -m actors.models.tiny_vlm
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: install

@@ -20,7 +20,7 @@ import msgspec
 
 from config.credentials import check_api_key, check_bus, check_cluster_credentials
 from config.names import check_token
-from config.topology import ModelConfig, PoolConfig, Topology
+from config.topology import MediaConfig, ModelConfig, PoolConfig, Topology
 
 _BUS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_\-]+$")
@@ -297,6 +297,7 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         if t.frontend.busy_threshold is not None and not 0 < t.frontend.busy_threshold <= 1:
             fail("frontend.busy_threshold", f"expected a fraction in (0, 1], got {t.frontend.busy_threshold}")
         check_api_key(t.frontend, fail)
+        _check_media(t.frontend.media, fail, positive)
 
     for name, pool in t.pools.items():
         _check_pool(name, pool, t, fail, token, port, positive)
@@ -309,6 +310,8 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
     if len(engines) > 1:
         first = next(n for n, p in t.pools.items() if p.role in ("prefill", "decode") and p.engine != "vllm")
         fail(f"pools.{first}.engine", "prefill and decode pools must use the same engine (KV cannot cross engines)")
+    if "encode" in roles:
+        _check_encode(t, fail)
 
     if t.planner.enabled:
         _check_planner(t, fail, token, positive)
@@ -327,6 +330,26 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         v = getattr(s, key)
         if v is not None and not v.startswith("/"):
             fail(f"systemd.{key}", f"systemd needs an absolute path, got {v!r}")
+
+
+def _check_media(m: MediaConfig, fail: Any, positive: Any) -> None:
+    """``frontend.media``: positive limits, and formats Pillow can open (a misspelt name would
+    silently refuse every image of that format). ``allow_urls`` entries follow the LoRA rule, which
+    lives above this layer: the frontend logs the malformed ones (``media.malformed_allow_urls``)."""
+    for key in ("max_images", "max_image_bytes", "max_total_bytes", "max_pixels", "fetch_timeout",
+                "max_concurrent_fetches"):
+        positive(f"frontend.media.{key}", getattr(m, key))
+    if not m.formats:
+        fail("frontend.media.formats", "name at least one image format (e.g. [\"PNG\", \"JPEG\"])")
+    try:
+        from PIL import Image  # a dependency of vLLM; a host without it serves no frontend
+    except ImportError:
+        return
+    Image.init()
+    for i, name in enumerate(m.formats):
+        if name.upper() not in Image.OPEN:
+            fail(f"frontend.media.formats.{i}", f"Pillow cannot open {name!r} "
+                 f"(it opens: {', '.join(sorted(Image.OPEN))})")
 
 
 def _check_cluster(t: Topology, fail: Any, token: Any, port: Any) -> None:
@@ -420,6 +443,13 @@ def _check_pool(name: str, pool: PoolConfig, t: Topology, fail: Any, token: Any,
         fail(f"{key}.max_waiting", f"expected int >= 1, got {pool.max_waiting}")
     if pool.prompt_embeds and pool.engine == "mocker":
         fail(f"{key}.prompt_embeds", "the mocker engine has no embedding layer; use engine = \"vllm\"")
+    if pool.role == "encode":
+        if pool.engine != "vllm":
+            fail(f"{key}.engine", "an encode pool runs vLLM's vision encoder, which the mocker does not "
+                 "have: use engine = \"vllm\"")
+        if pool.prompt_embeds:
+            fail(f"{key}.prompt_embeds", "an encode worker runs the vision encoder on images; prompt "
+                 "embeddings go to agg or prefill workers")
     if pool.sleep.level not in (1, 2):
         fail(f"{key}.sleep.level", f"expected 1 or 2, got {pool.sleep.level}")
     positive(f"{key}.sleep.idle_timeout", pool.sleep.idle_timeout)
@@ -431,6 +461,24 @@ def _check_pool(name: str, pool: PoolConfig, t: Topology, fail: Any, token: Any,
     # engine_args are not checked here: vLLM validates its own AsyncEngineArgs in the worker, and
     # the mocker's arguments are the mocker's business.
     _check_supervisor(pool.supervisor, f"{key}.supervisor", fail, positive)
+
+
+def _check_encode(t: Topology, fail: Any) -> None:
+    """E/P/D: an encode pool runs vLLM's vision encoder, and its outputs are loaded by the vLLM
+    engines of the agg or prefill pools beside it (vLLM's EC connector). The mocker has no encoder,
+    and the frontend expands image prompts with the model's processor (not in text mode)."""
+    first = next(n for n, p in t.pools.items() if p.role == "encode")
+    consumers = [n for n, p in t.pools.items() if p.role in ("agg", "prefill")]
+    if not consumers:
+        fail(f"pools.{_join([first])}.role", "an encode pool hands its image encodings to agg or prefill "
+             "workers: add an agg or a prefill pool")
+    for name in consumers:
+        if t.pools[name].engine != "vllm":
+            fail(f"pools.{_join([name])}.engine", "beside an encode pool, agg and prefill workers load its image "
+                 "encodings into vLLM (its EC connector): use engine = \"vllm\"")
+    if t.model is not None and t.model.text_mode:
+        fail("model.text_mode", "an encode pool serves image prompts, which the frontend expands with the "
+             "model's tokenizer and processor; model.text_mode keeps them off the frontend")
 
 
 def _check_planner(t: Topology, fail: Any, token: Any, positive: Any) -> None:

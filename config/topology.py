@@ -138,6 +138,40 @@ class SupervisorConfig(_Strict):
     start_concurrency: int = 4  # worker processes starting (loading engines) at once
 
 
+class MediaConfig(_Strict):
+    """Images in chat requests (``[frontend.media]``, ``actors.frontend.media``), checked at the
+    frontend before any worker sees them. Secure by default: no image URL is fetched until
+    ``allow_urls`` names where from; ``data:`` URLs work out of the box."""
+
+    # image parts in one request (vLLM's --limit-mm-per-prompt): each costs a decode and a processor
+    # run here, an encoder pass and hundreds of prompt tokens at the engine
+    max_images: int = 8
+    # bytes of one image file (base64-decoded, or as downloaded). Below max_total_bytes so that one
+    # image never takes a request's whole share; a 12-megapixel phone photo (JPEG) fits
+    max_image_bytes: int = 4 << 20
+    # bytes of all images of one request together: they travel in one generate request, a NATS
+    # message, and the embedded server's max_payload is 8 MiB; 6 MiB leaves 2 MiB for the rest (the
+    # token ids of a 128k-token prompt take about 0.6 MiB)
+    max_total_bytes: int = 6 << 20
+    # width x height of one image, read from the file's header before anything is decoded: a 100 KB
+    # PNG can declare 10000x10000 (300 MB as RGB). 4096x4096 is 48 MiB of RGB at most, above a
+    # 12-megapixel phone photo; vision processors downscale far below it anyway
+    max_pixels: int = 4096 * 4096
+    # Pillow format names this frontend decodes; a file of another format is refused unopened (each
+    # decoder is attack surface; vllm serve accepts dozens). MPO (a phone's JPEG) opens as JPEG.
+    formats: list[str] = msgspec.field(default_factory=lambda: ["PNG", "JPEG", "WEBP", "GIF", "BMP"])
+    # http(s) image URLs are fetched only from these: a host ("images.example.com",
+    # "10.0.0.5:8080") or a URL prefix ("https://cdn.example.com/public/"), the rule of
+    # pools.<pool>.lora.allow_urls. Empty: none is fetched (a URL in a request could otherwise make
+    # the frontend reach any host its network does, e.g. an internal service or a cloud metadata
+    # endpoint). Redirects are never followed: list the final location.
+    allow_urls: list[str] = []
+    # seconds for one image URL: connecting, the answer's headers and its whole body
+    fetch_timeout: float = 10.0
+    # image URLs of one request fetched at once (a request of max_images URLs opens no more)
+    max_concurrent_fetches: int = 4
+
+
 class FrontendConfig(_Strict):
     enabled: bool = True
     http: str = "127.0.0.1:8000"
@@ -184,6 +218,7 @@ class FrontendConfig(_Strict):
     # seconds per window of request counts, ISL/OSL and TTFT/ITL histograms the frontend publishes
     # on <ns>.metrics.frontend.<instance> (the planner's observations); 0: publish none
     observe_interval: float = 2.0
+    media: MediaConfig = msgspec.field(default_factory=MediaConfig)
 
 
 class HealthConfig(_Strict):
@@ -216,7 +251,9 @@ class CheckpointConfig(_Strict):
 
 
 class PoolConfig(_Strict):
-    role: Literal["agg", "prefill", "decode"] = "agg"
+    # encode (E/P/D): vLLM's vision encoder alone; the frontend sends each image prompt's images to
+    # an encode worker first and hands its outputs to the agg or prefill worker with the request
+    role: Literal["agg", "prefill", "decode", "encode"] = "agg"
     engine: Literal["vllm", "mocker"] = "vllm"
     replicas: int = 1
     host: str = "local"

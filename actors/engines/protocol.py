@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from bus.errors import BadRequest
+
 # encode: the vision encoder only (E/P/D); its outputs feed an agg or prefill worker's engine
 Role = Literal["agg", "prefill", "decode", "encode"]
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -144,7 +146,7 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     hidden_size: int | None = None
     vocab_size: int | None = None
     eos_token_ids: list[int] = []
-    input_modalities: list[str] = ["text"]  # what prompts may hold besides tokens ("image")
+    input_modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])  # besides tokens: "image"
     max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's --max-logprobs; -1: vocab_size)
 
 
@@ -192,6 +194,10 @@ class EngineDeadError(Exception):
     """Raised by ``check_health``/``generate`` once the engine is dead."""
 
 
+class EncodeFailed(Exception):
+    """An encode engine's run ended without an output for every image (aborted, or none written)."""
+
+
 class Engine(abc.ABC):
     """An inference engine. All methods are coroutine-safe on one event loop."""
 
@@ -210,6 +216,19 @@ class Engine(abc.ABC):
                  lora: LoraRef | None = None,
                  kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[EngineOutput]:
         """Stream delta outputs; the last one has ``finish_reason``. Raises EngineDeadError."""
+
+    async def encode(self, mm: MultiModalInput, token_ids: list[int], request_id: str, *,
+                     cached: bool = True) -> list[tuple[str, bytes]]:
+        """E/P/D, role "encode": run the vision encoder on ``mm``'s images (``token_ids``: the
+        expanded prompt) and return ``(image id, encoder output)`` per distinct image, in prompt
+        order; ``cached=False`` runs the encoder even for images encoded recently. Raises
+        EncodeFailed, EngineDeadError; an engine of another role refuses (BadRequest)."""
+        raise BadRequest("this worker is not an encode worker")
+
+    async def encode_probe(self, request_id: str) -> None:
+        """Encode a small built-in image through the engine (readiness and liveness of an encode
+        worker, which serves no generate requests)."""
+        raise BadRequest("this worker is not an encode worker")
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...

@@ -16,6 +16,7 @@ import socket
 import tempfile
 import threading
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from actors.engines.protocol import Role
@@ -30,6 +31,7 @@ CPU_BLOCK_SIZE = 32
 # Engine args that vLLM types as config objects but does not build from a dict itself.
 _DICT_CONFIGS = {
     "kv_transfer_config": "KVTransferConfig",
+    "ec_transfer_config": "ECTransferConfig",
     "kv_events_config": "KVEventsConfig",
     "structured_outputs_config": "StructuredOutputsConfig",
 }
@@ -71,7 +73,7 @@ def applied_env(env: Mapping[str, str]) -> Iterator[None]:
 
 def _ipc_dir() -> str:
     """A directory only this user can enter, for the engines' ZMQ ipc sockets (short: ipc paths are
-    limited to ~107 bytes)."""
+    limited to ~107 bytes) and their encoder-output directories (E/P/D: ``ec_transfer_config``)."""
     d = os.path.join(tempfile.gettempdir(), f"vllm-actors-{os.getuid()}")
     os.makedirs(d, mode=0o700, exist_ok=True)
     os.chmod(d, 0o700)  # an older dir may have been made with a wider mode
@@ -100,6 +102,52 @@ def kv_events_config(port: int | None, dp_size: int = 1) -> Any:
         replay = f"tcp://*:{port + 1000}"
     return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
                           replay_endpoint=replay, topic=TOPIC)
+
+
+# vLLM's file-based EC connector: the one whose files the worker hands over (actors.engines.ec_staging)
+EC_FILE_CONNECTOR = "ECExampleConnector"
+
+
+def ec_transfer_config(role: Role, consumer: bool, engine_args: Mapping[str, Any]) -> tuple[dict[str, Any] | None, Path | None, bool]:
+    """E/P/D: (the engine's ``ec_transfer_config``, its connector directory, whether that directory
+    is ours to remove). An encode engine produces (vLLM's ``ec_producer``: the encoder only), an
+    agg or prefill engine beside an encode pool (``consumer``) consumes; each gets a private
+    directory of its own. A topology's own ``ec_transfer_config`` wins: with the file connector
+    and no ``shared_storage_path`` it gets our directory; with another connector (which carries
+    the outputs itself) no directory is staged at all, and an encode engine is refused, since
+    its worker hands over the files. (None, None, False) for an engine with no part in E/P/D."""
+    given = engine_args.get("ec_transfer_config")
+    if given is None:
+        ec_role = "ec_producer" if role == "encode" else "ec_consumer" if consumer and role in ("agg", "prefill") else None
+        if ec_role is None:
+            return None, None, False
+        root = _private_subdir("ec")
+        return ({"ec_connector": EC_FILE_CONNECTOR, "ec_role": ec_role,
+                 "ec_connector_extra_config": {"shared_storage_path": str(root)}}, root, True)
+    cfg = dict(given) if isinstance(given, Mapping) else dataclasses.asdict(given)
+    if cfg.get("ec_connector") != EC_FILE_CONNECTOR:
+        if role == "encode":
+            raise ValueError(f"an encode worker hands its encoder outputs over as {EC_FILE_CONNECTOR} files; "
+                             f"ec_transfer_config names {cfg.get('ec_connector')!r}")
+        return cfg, None, False
+    if role == "encode" and cfg.get("ec_role") != "ec_producer":
+        raise ValueError(f"an encode worker's ec_transfer_config needs ec_role = \"ec_producer\", not {cfg.get('ec_role')!r}")
+    extra = dict(cfg.get("ec_connector_extra_config") or {})
+    if extra.get("shared_storage_path"):
+        root = Path(str(extra["shared_storage_path"])).expanduser()
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return cfg, root, False
+    root = _private_subdir("ec")
+    cfg["ec_connector_extra_config"] = {**extra, "shared_storage_path": str(root)}
+    return cfg, root, True
+
+
+def _private_subdir(prefix: str) -> Path:
+    """A fresh directory only this user can enter, in ``_ipc_dir`` (one per engine: an engine
+    restarted in the same process gets a new one)."""
+    path = Path(_ipc_dir()) / f"{prefix}-{os.getpid()}-{secrets.token_hex(4)}"
+    path.mkdir(mode=0o700)
+    return path
 
 
 def _port_free(port: int) -> bool:
@@ -172,7 +220,11 @@ def build_engine_args(engine_args: Mapping[str, Any], role: Role = "agg",
     if cpu:
         args.setdefault("block_size", CPU_BLOCK_SIZE)
         args.setdefault("enforce_eager", True)  # CPU: compile costs ~20 s at start and decodes slower
-    if "kv_events_config" not in args and role != "decode":
+    if role == "encode":
+        # an encode worker names each image of a run uniquely (its outputs must be written anew
+        # every time: actors.engines.ec_staging), so vLLM's processor cache would never hit
+        args.setdefault("mm_processor_cache_gb", 0)
+    if "kv_events_config" not in args and role not in ("decode", "encode"):  # encode-only: no KV cache
         args["kv_events_config"] = kv_events_config(kv_events_port,
                                                     int(args.get("data_parallel_size") or 1))
     for key, cls_name in _DICT_CONFIGS.items():

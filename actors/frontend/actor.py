@@ -160,6 +160,8 @@ class FrontendActor(Actor):
         if self._site is not None:
             await self._site.stop()
             self._site = None
+        if self.app is not None:
+            await self.app.pipeline.aclose()
         for watch in self._watches:
             await watch.stop()
         for unsubscribe in self._unsubscribe:

@@ -94,7 +94,7 @@ def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decod
                 so = msgspec.structs.replace(base, seed=base.seed + j)
             spec = FlowSpec(model=plan.entry, request_id=f"{plan.request_id}-{idx}", sampling=so,
                             token_ids=ids, prompt=text, prompt_embeds=plan.prompt_embeds(p),
-                            chat=plan.chat_prompt, lora=plan.lora, target=target,
+                            chat=plan.chat_prompt, mm=plan.mm, lora=plan.lora, target=target,
                             allow_decode_only=allow_decode_only, migration_limit=migration_limit,
                             migration_wait=migration_wait)
             choices.append(Choice(idx, CompletionFlow(spec, deps, on_migrate, on_quarantine), plan, ids))

@@ -11,7 +11,7 @@ import asyncio
 import logging
 
 from actors.worker import contract as C
-from actors.worker.contract import GenerateChunk, GenerateRequest
+from actors.worker.contract import EncodeReply, EncodeRequest, GenerateChunk, GenerateRequest
 from bus import rpc
 from bus.connection import settling, wait_connected
 from bus.context import BusContext
@@ -49,6 +49,14 @@ class WorkerClient:
     def stream(self, worker: Worker, req: GenerateRequest) -> StreamCall:
         return stream_request(self.bus.nc, worker.subject, req, stall_timeout=self.stall_timeout,
                               msgpack=True, chunk_type=GenerateChunk)
+
+    async def encode(self, worker: Worker, req: EncodeRequest) -> EncodeReply:
+        """An encode worker's outputs for a prompt's images (E/P/D); a unary request bounded by the
+        stall timeout (the encoder's run is one engine step)."""
+        reply: EncodeReply = await rpc.request(
+            self.bus.nc, self.bus.subjects.worker(worker.instance, C.VERB_ENCODE), req,
+            timeout=self.stall_timeout, msgpack=True, reply_type=EncodeReply)
+        return reply
 
     async def connected(self) -> bool:
         """Whether this process is on the bus, waiting (at most a stall timeout) for a reconnect in

@@ -29,8 +29,17 @@ from typing import Any, Protocol
 
 import msgspec
 
-from actors.engines.protocol import SamplingOptions
-from actors.worker.contract import ChatPrompt, EngineDead, GenerateChunk, GenerateRequest, PrefillResult
+from actors.engines.protocol import MultiModalInput, SamplingOptions
+from actors.kv.hashing import MmSpan
+from actors.worker.contract import (
+    ChatPrompt,
+    EncodeReply,
+    EncodeRequest,
+    EngineDead,
+    GenerateChunk,
+    GenerateRequest,
+    PrefillResult,
+)
 from bus.errors import (
     ActorError,
     Overloaded,
@@ -68,6 +77,8 @@ class WorkerLink(Protocol):
     """The flow's view of the bus (``actors.frontend.client.WorkerClient``)."""
 
     def stream(self, worker: Worker, req: GenerateRequest) -> WorkerStream: ...
+
+    async def encode(self, worker: Worker, req: EncodeRequest) -> EncodeReply: ...
 
     async def connected(self) -> bool: ...
 
@@ -116,6 +127,7 @@ class FlowSpec:
     migration_wait: float = 60.0
     prompt_embeds: str | None = None  # base64 torch tensor (a /v1/completions prompt_embeds)
     chat: ChatPrompt | None = None  # text mode: a chat the worker renders with the chat template
+    mm: MultiModalInput | None = None  # the images of token_ids (expanded by the frontend's processor)
 
     def resume_refusal(self) -> str | None:
         """Why this request cannot continue on another worker once tokens were produced, if so."""
@@ -155,6 +167,9 @@ class CompletionFlow:
         self.on_quarantine = on_quarantine
         self._fp: str | None = None
         self.state = FlowState(prompt_tokens=len(spec.token_ids) if spec.token_ids else 0)
+        # the router hashes an image prompt's blocks with the images' ids, as the engines' KV events do
+        self._mm_spans = ([MmSpan(img.uuid, off, length) for img, (off, length)
+                           in zip(spec.mm.images, spec.mm.placeholders, strict=True)] if spec.mm else None)
 
     # --- routing helpers ---------------------------------------------------------------------------
     def _pool(self, role: str) -> list[Worker]:
@@ -165,6 +180,35 @@ class CompletionFlow:
             loaded = [w for w in pool if w.instance in have]
             pool = loaded or pool  # not loaded anywhere yet: any worker (it loads on demand)
         return pool
+
+    async def _encode(self) -> None:
+        """E/P/D: an encode worker runs the vision encoder on the prompt's images, and its outputs go
+        with the request to the prefill (or agg) worker, whose engine loads them instead of encoding.
+        Best effort: when no encode worker can do it, the request goes on without outputs and the
+        prefill/agg engine encodes the images itself (same output, more work there)."""
+        spec = self.spec
+        assert spec.mm is not None
+        failed: set[str] = set()
+        while True:
+            pool = [w for w in self.workers.workers(spec.model.name, "encode") if w.instance not in failed]
+            if not pool or len(failed) > spec.migration_limit:
+                log.warning("request %s: no encode worker could encode its images; the %s worker encodes them",
+                            spec.request_id, "prefill" if spec.model.has_prefill_pool else "serving")
+                return
+            worker = self.router.choose(pool, None, failed, request_id=f"{spec.request_id}-e")
+            try:
+                reply = await self.link.encode(worker, EncodeRequest(
+                    request_id=f"{spec.request_id}-e", token_ids=list(spec.token_ids or []), mm=spec.mm))
+                break
+            except (*MIGRATABLE, Unavailable) as e:
+                failed.add(worker.instance)
+                log.warning("encode on %s failed (%s); trying another encode worker", worker.instance, e)
+            finally:
+                self.router.finished(f"{spec.request_id}-e")
+        outputs = {o.uuid: o.encoder_output for o in reply.outputs}
+        images = [msgspec.structs.replace(img, encoder_output=outputs.get(img.uuid)) for img in spec.mm.images]
+        spec.mm = msgspec.structs.replace(spec.mm, images=images)
+        log.debug("request %s: %d image(s) encoded on %s", spec.request_id, len(outputs), worker.instance)
 
     async def _prefill(self) -> PrefillResult | None:
         """Run the prompt on a prefill worker. A prefill worker that fails is replaced by another
@@ -180,7 +224,8 @@ class CompletionFlow:
                     return None
                 raise Overloaded(f"no prefill worker left for model {spec.model.name} and decode-only "
                                  f"fallback is off (model.allow_decode_only)")
-            worker = self.router.choose(pool, spec.token_ids, failed, request_id=f"{spec.request_id}-p")
+            worker = self.router.choose(pool, spec.token_ids, failed, request_id=f"{spec.request_id}-p",
+                                        mm=self._mm_spans)
             try:
                 last, call = await self._prefill_on(worker)
                 break
@@ -212,7 +257,7 @@ class CompletionFlow:
                                            stop=[], structured=None)
         req = GenerateRequest(request_id=f"{spec.request_id}-p", token_ids=spec.token_ids,
                               prompt=spec.prompt, prompt_embeds=spec.prompt_embeds, chat=spec.chat,
-                              sampling=sampling, lora_name=spec.lora)
+                              mm=spec.mm, sampling=sampling, lora_name=spec.lora)
         last: GenerateChunk | None = None
         call = self.link.stream(worker, req)
         try:
@@ -227,6 +272,8 @@ class CompletionFlow:
     async def chunks(self) -> AsyncIterator[GenerateChunk]:
         spec, st = self.spec, self.state
         self._check_quarantine()
+        if spec.mm is not None and spec.model.has_encode_pool:
+            await self._encode()
         prefill = await self._prefill() if spec.model.has_prefill_pool else None
         produced: list[int] = []
         produced_text: list[str] = []
@@ -246,7 +293,7 @@ class CompletionFlow:
                 pool = await self._wait_for_worker()
             req = self._request(prefill, produced, produced_text)
             router = self.router
-            worker = router.choose(pool, req.token_ids, st.failed, target=target, lora=spec.lora,
+            worker = router.choose(pool, req.token_ids, st.failed, target=target, lora=spec.lora, mm=self._mm_spans,
                                    request_id=req.request_id)
             call = self.link.stream(worker, req)
             first = True
@@ -386,8 +433,14 @@ class CompletionFlow:
                 # never re-rendered with the output as a message, never re-tokenized from text
                 chat = msgspec.structs.replace(chat, continuation=list(produced))
         suffix = f"-m{self.state.migrations}" if self.state.migrations else ""
+        mm = spec.mm
+        if mm is not None and prefill is not None:
+            # the decode worker gets the KV of the images' tokens from the prefill worker: it needs
+            # the images only to expand the prompt as the prefill did, not their encoder outputs
+            mm = msgspec.structs.replace(mm, images=[msgspec.structs.replace(i, encoder_output=None)
+                                                     for i in mm.images])
         return GenerateRequest(request_id=spec.request_id + suffix, token_ids=token_ids, prompt=prompt,
-                               prompt_embeds=spec.prompt_embeds, chat=chat, sampling=sampling,
+                               prompt_embeds=spec.prompt_embeds, chat=chat, mm=mm, sampling=sampling,
                                lora_name=spec.lora, prefill_result=prefill)
 
     def _account(self, chunk: GenerateChunk, first_attempt: bool) -> None:

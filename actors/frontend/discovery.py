@@ -54,13 +54,18 @@ class ModelEntry:
     def card(self) -> ModelCard:
         # decode/agg cards first: they define what the client talks to
         for c in self.cards.values():
-            if c.role != "prefill":
+            if c.role not in ("prefill", "encode"):
                 return c
         return next(iter(self.cards.values()))
 
     @property
     def has_prefill_pool(self) -> bool:
         return any(c.role == "prefill" for c in self.cards.values())
+
+    @property
+    def has_encode_pool(self) -> bool:
+        """E/P/D: a live encode pool runs the vision encoder for this model's image prompts."""
+        return any(c.role == "encode" for c in self.cards.values())
 
 
 class WorkerSet:

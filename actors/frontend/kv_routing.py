@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from actors.instances.contract import InstanceRecord
 from actors.instances.watch import RETRY, BucketWatch
+from actors.kv.hashing import MmSpan
 from actors.router.cost import RouterConfig
 from actors.router.feed import KvRouterFeed
 from actors.router.kv_router import KvRouter
@@ -125,7 +126,7 @@ class KvPolicy:
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
-               request_id: str | None = None) -> Worker:
+               request_id: str | None = None, mm: Sequence[MmSpan] | None = None) -> Worker:
         cands = _candidates(pool, exclude, target)
         router = self.router or self._ensure(cands)
         feed = self.feed
@@ -138,11 +139,11 @@ class KvPolicy:
         ranks += [(inst, 0) for inst in by_instance if inst not in seen]  # the feed has not seen it yet
         if target is not None or len(ranks) == 1:
             # Nothing to choose, but still booked: the next request of this session builds on it.
-            router.pin(request_tokens, ranks[0], request_id=request_id, lora_name=lora)
+            router.pin(request_tokens, ranks[0], request_id=request_id, lora_name=lora, mm=mm)
             return cands[0]
         sizes = feed.block_sizes() or {(w.instance, 0): w.block_size for w in cands}
         decision = router.route(request_tokens, ranks, request_id=request_id, lora_name=lora,
-                                block_sizes=sizes)
+                                block_sizes=sizes, mm=mm)
         return by_instance[decision.instance]
 
     def tokens(self, request_id: str, n: int, first: bool) -> None:

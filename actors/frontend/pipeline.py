@@ -13,20 +13,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
+import aiohttp
 from aiohttp import web
 
-from bus.errors import ActorError
+from actors.models.tiny import resolve_model_path
+from bus.errors import ActorError, Overloaded
 from config.topology import FrontendConfig, ModelConfig
 
 from .choices import Arrival, Choice, build_choices, merged
 from .completion_flow import FlowDeps, WorkerLink
 from .discovery import WorkerSet
 from .http_guard import read_body
+from .media import has_media, load_images, malformed_allow_urls, media_session
 from .metrics import FrontendMetrics
+from .mm_processor import SHARED as MM_PROCESSORS
+from .mm_processor import MmProcessor
 from .openai_io import check_request_template, encode_json, parse_chat, parse_completion
 from .output_parsing import ModelParsers
-from .planning import Plan, plan_request, resolve
+from .planning import Plan, check_takes_images, plan_request, resolve
 from .preprocess import ModelPreprocessors, Preprocessor
 from .quarantine import Quarantine
 from .responses import SSE_DONE, WORKER_HEADER, ResponseBuilder
@@ -49,6 +55,20 @@ class CompletionPipeline:
         self.expected = frozenset([model_config.name]) if model_config is not None else frozenset()
         self.preprocessors = ModelPreprocessors(workers, model_config)
         self._parsers: dict[tuple[int, str | None, str | None], ModelParsers] = {}
+        self._http: aiohttp.ClientSession | None = None  # image URL fetches (made on first use)
+        for entry in malformed_allow_urls(config.media):
+            log.warning("frontend.media.allow_urls entry %r admits no URL (a host, host:port or an "
+                        "http(s) URL prefix)", entry)
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def _fetcher(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            self._http = media_session()
+        return self._http
 
     async def serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         t0 = time.perf_counter()
@@ -66,8 +86,11 @@ class CompletionPipeline:
             m.queued.labels(label).inc()
             try:
                 pre = await self.preprocessors.get(entry)
-                plan = plan_request(req, entry, lora, name, pre, body,
-                                    self._model_parsers(entry.name, pre) if chat else None)
+                parsers = self._model_parsers(entry.name, pre) if chat else None
+                if chat and has_media(req.messages):
+                    plan = await self._plan_with_images(req, entry, lora, name, pre, body, parsers)
+                else:
+                    plan = plan_request(req, entry, lora, name, pre, body, parsers)
             finally:
                 m.queued.labels(label).dec()
             choices = self._choices(plan, target=request.headers.get(WORKER_HEADER))
@@ -100,6 +123,29 @@ class CompletionPipeline:
             raise
         finally:
             m.requests.labels(endpoint, label, str(status)).inc()
+
+    async def _plan_with_images(self, req: Any, entry: Any, lora: str | None, name: str,
+                                pre: Preprocessor | None, body: bytes, parsers: ModelParsers | None) -> Plan:
+        """A chat that may hold images: they are loaded and checked (data URLs, allowed http(s)
+        URLs), then the plan, whose processor run (resizing, tiling) stays off the event loop."""
+        messages, images = await load_images(list(req.messages), self.config.media, self._fetcher())
+        if not images:
+            return plan_request(req, entry, lora, name, pre, body, parsers, messages=messages)
+        check_takes_images(entry, pre)
+        proc = await self._mm_processor(entry)
+        return await asyncio.to_thread(plan_request, req, entry, lora, name, pre, body, parsers,
+                                       images=images, messages=messages, mm_proc=proc)
+
+    async def _mm_processor(self, entry: Any) -> MmProcessor:
+        """vLLM's processor for the model's files: the topology's path on this host, else the card's."""
+        mc = self.model_config
+        path = mc.path if mc is not None and mc.name == entry.name and mc.path else entry.card.model_path
+        path = resolve_model_path(path)
+        try:
+            return await asyncio.to_thread(MM_PROCESSORS.get, path, entry.card.context_length)
+        except Exception as e:  # noqa: BLE001 - the model's files are not readable here: say so
+            log.warning("no multimodal processor for %s: %s", path, e)
+            raise Overloaded(f"model {entry.name}: this frontend cannot load its image processor ({e})") from None
 
     def _model_parsers(self, model: str, pre: Preprocessor | None) -> ModelParsers | None:
         """The model's tool-call/reasoning parsers over its tokenizer, built once (the topology

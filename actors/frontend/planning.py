@@ -10,12 +10,14 @@ from typing import Any
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
-from actors.engines.protocol import SamplingOptions
+from actors.engines.protocol import MultiModalInput, SamplingOptions
 from actors.worker.contract import ChatPrompt
 from bus.errors import BadRequest, NotFound, Overloaded
 
 from .discovery import ModelEntry, WorkerSet
 from .limits import card_limits, check_fan_out, check_prompt, check_sampling
+from .media import LoadedImage
+from .mm_processor import MmProcessor
 from .openai_io import OutputOptions, new_id, requested_max_tokens, to_sampling
 from .output_parsing import ModelParsers, RequestParsing
 from .preprocess import Preprocessor, tool_dicts
@@ -40,6 +42,7 @@ class Plan:
     parsing: RequestParsing | None = None  # tool calls / reasoning in a chat output (output_parsing)
     embeds: list[ClientEmbeds | None] = field(default_factory=list)  # per prompt: its prompt_embeds
     chat_prompt: ChatPrompt | None = None  # text mode: the chat the worker renders (plan_worker_chat)
+    mm: MultiModalInput | None = None  # a chat's images (its one prompt is the expanded token ids)
 
     def prompt_embeds(self, p: int) -> str | None:
         """Prompt ``p``'s embeddings (base64, as the client sent them), or None."""
@@ -87,8 +90,11 @@ def _max_tokens(requested: int | None, prompt_len: int, ctx: int) -> int:
 
 def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEntry, lora: str | None,
                  name: str, pre: Preprocessor | None, body: bytes = b"",
-                 parsers: ModelParsers | None = None) -> Plan:
-    """``parsers``: the model's tool-call/reasoning parsers (chat only; none: plain content)."""
+                 parsers: ModelParsers | None = None, images: list[LoadedImage] | None = None,
+                 messages: list[dict[str, Any]] | None = None, mm_proc: MmProcessor | None = None) -> Plan:
+    """``parsers``: the model's tool-call/reasoning parsers (chat only; none: plain content).
+    ``images``: a chat's loaded images, with ``messages`` (its messages, each image part replaced by
+    ``{"type": "image"}``, as actors.frontend.media returns them) and the model's processor."""
     chat = isinstance(req, ChatCompletionRequest)
     card = entry.card
     ctx = card.context_length
@@ -97,8 +103,11 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
     prompts: list[tuple[list[int] | None, str | None]] = []
     embeds: list[ClientEmbeds | None] = []
     parsing: RequestParsing | None = None
+    mm: MultiModalInput | None = None
     if chat:
         check_fan_out(n, 1)
+        if images:
+            check_takes_images(entry, pre)
         if pre is None:
             return plan_worker_chat(req, entry, lora, name, body)
         if parsers is not None:
@@ -107,11 +116,17 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
                 # before the sampling options are built: it may constrain decoding to the tools
                 req = parsing.adjust(req)
         tools = tool_dicts(req.tools)  # as vLLM hands them to the template (nulls kept)
-        text = pre.render_chat(list(req.messages), add_generation_prompt=req.add_generation_prompt,
+        text = pre.render_chat(messages if messages is not None else list(req.messages),
+                               add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                chat_template=req.chat_template, template_kwargs=req.chat_template_kwargs,
                                tools=tools)
-        prompts.append((pre.encode(text, req.add_special_tokens), None))
+        ids = pre.encode(text, req.add_special_tokens)
+        if images:
+            assert mm_proc is not None  # check_takes_images / the pipeline gave one
+            expanded = mm_proc.expand(ids, images)
+            ids, mm = expanded.token_ids, expanded.mm
+        prompts.append((ids, None))
     else:
         embeds += client_embeds(req, entry)  # embeddings prompts come first, as in vLLM
         prompts += [(None, None)] * len(embeds)
@@ -161,7 +176,7 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
     return Plan(chat=chat, model=name, entry=entry, lora=lora, pre=pre, prompts=prompts, n=n,
                 sampling=samplings, out=out, stream=stream, include_usage=include_usage,
                 request_id=new_id("chatcmpl" if chat else "cmpl"), echo_texts=echo_texts, parsing=parsing,
-                embeds=embeds)
+                embeds=embeds, mm=mm)
 
 
 def plan_worker_chat(req: ChatCompletionRequest, entry: ModelEntry, lora: str | None, name: str,
@@ -193,6 +208,16 @@ def plan_worker_chat(req: ChatCompletionRequest, entry: ModelEntry, lora: str | 
                 sampling=[so], out=out, stream=stream,
                 include_usage=bool(stream and req.stream_options and req.stream_options.include_usage),
                 request_id=new_id("chatcmpl"), chat_prompt=chat)
+
+
+def check_takes_images(entry: ModelEntry, pre: Preprocessor | None) -> None:
+    """Images need a model that takes them (its card says so) and this frontend's tokenizer (the
+    processor expands the rendered prompt's ids; text mode has none)."""
+    if "image" not in entry.card.input_modalities:
+        raise BadRequest(f"model {entry.name} does not take images (it is a text-only model)", param="messages")
+    if pre is None:
+        raise BadRequest(f"model {entry.name} runs in text mode: images need the frontend's tokenizer "
+                         "(unset model.text_mode)", param="messages")
 
 
 def check_text_mode_output(model: str, out: OutputOptions) -> None:

@@ -1,7 +1,9 @@
 """Which worker serves a request: one interface, several policies.
 
 ``choose(pool, request_tokens, exclude)`` picks one ``Worker`` from the live candidates (never an
-excluded one: migration excludes the instance that just failed). ``target`` pins an instance
+excluded one: migration excludes the instance that just failed). ``mm`` gives the prompt's images
+(``actors.kv.hashing.MmSpan``: content hash and placeholder range in ``request_tokens``) to the
+policies that hash blocks (kv); the others ignore it. ``target`` pins an instance
 (the ``x-worker-instance-id`` header); the ``direct`` policy requires it. The ``kv`` policy is
 supplied by ``actors.router`` (KV-cache-aware cost) through ``make_router(kv_factory=...)``.
 """
@@ -13,6 +15,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from actors.kv.hashing import MmSpan
 from bus.errors import BadRequest, NotFound, Overloaded
 
 from .discovery import Worker
@@ -27,7 +30,7 @@ class Router(Protocol):
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
-               request_id: str | None = None) -> Worker:
+               request_id: str | None = None, mm: Sequence[MmSpan] | None = None) -> Worker:
         """Return a worker or raise Overloaded (none left) / NotFound (unknown target)."""
         ...
 
@@ -68,7 +71,7 @@ class RoundRobinRouter(_Stateless):
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
-               request_id: str | None = None) -> Worker:
+               request_id: str | None = None, mm: Sequence[MmSpan] | None = None) -> Worker:
         cands = _candidates(pool, exclude, target)
         return cands[next(self._counter) % len(cands)]
 
@@ -81,7 +84,7 @@ class RandomRouter(_Stateless):
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
-               request_id: str | None = None) -> Worker:
+               request_id: str | None = None, mm: Sequence[MmSpan] | None = None) -> Worker:
         cands = _candidates(pool, exclude, target)
         return cands[self._rng.randrange(len(cands))]
 
@@ -93,7 +96,7 @@ class DirectRouter(_Stateless):
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
-               request_id: str | None = None) -> Worker:
+               request_id: str | None = None, mm: Sequence[MmSpan] | None = None) -> Worker:
         if target is None:
             raise BadRequest("router mode 'direct' needs the x-worker-instance-id header")
         return _candidates(pool, exclude, target)[0]

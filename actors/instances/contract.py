@@ -63,4 +63,4 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_embeds: bool = False  # the pool's prompt_embeds (vLLM's --enable-prompt-embeds)
     # what a prompt may hold besides tokens: ["text", "image"] for a vision-language model; a card
     # written before this was recorded reads as text only (images refused at the frontend)
-    input_modalities: list[str] = ["text"]
+    input_modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])

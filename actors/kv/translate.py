@@ -11,11 +11,16 @@ One :class:`KvTranslator` per (instance, dp_rank). It
 * keeps the current blocks (for ``dump``) and a ring buffer of recent events (for ``range``);
 * flags a block size different from the configured one loudly (warning once + counter).
 
-Seeds: the LoRA name comes with every ``BlockStored``. A cache salt appears only in the first
-block's ``extra_keys`` (vLLM puts it on the prompt's first block), so the seed of a chain is
-remembered per vLLM hash and inherited by continuations. Extra keys we cannot reproduce from
-tokens (multimodal identifiers, prompt-embedding digests) are folded into the seed: such blocks
-never match a token-only lookup, which is a miss, never a false hit.
+Extra keys: vLLM gives each block ``None`` or a tuple of items: the LoRA name first (with a LoRA),
+then one ``(identifier, offset in the block)`` pair per image touching the block (a 2-list once
+msgpack decoded it), the cache salt (first block of a prompt only), a prompt-embeddings digest
+(bytes). The LoRA name and the salt make the chain's seed (``hashing.hash_seed``): the salt appears
+only on the first block, so the seed of a chain is remembered per vLLM hash and inherited by
+continuations. Image pairs fold into their own block's hash with ``hashing.fold_mm``, as the
+frontend folds its requests' images, so image blocks match; they need no state (each block carries
+its own pairs, offsets relative to it). Anything else (prompt-embedding digests, shapes we do not
+know) is folded by its ``repr``: the seed when on a prompt's first block, else that block's hash;
+such blocks never match a lookup, which is a miss, never a false hit.
 
 Filtering: only the device tier (``medium`` None or "GPU") and the full-attention group
 (``group_idx`` None or 0) are indexed; offload tiers and sliding-window groups would otherwise
@@ -27,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import NamedTuple
 
 import msgspec
 import xxhash
@@ -54,6 +60,7 @@ from actors.kv.contract import (
 log = logging.getLogger(__name__)
 
 _DEVICE_MEDIA = (None, "GPU")
+_I64 = 1 << 63  # image offsets are folded as i64: anything beyond is no vLLM offset
 
 
 class KvPublisherMetrics:
@@ -148,16 +155,15 @@ class KvTranslator:
                             "routers using %d will never match these blocks", self.instance,
                             self.dp_rank, bs, self.block_size, self.block_size)
 
-    def _seed_for(self, ev: BlockStored, parent_seed: int | None, first_extra: object) -> int:
+    def _seed_for(self, ev: BlockStored, parent_seed: int | None, first: _Extras | None) -> int:
         if parent_seed is not None:
             return parent_seed
-        seed = hashing.hash_seed(ev.lora_name, None)
-        extras = _extras_without_lora(first_extra, ev.lora_name)
-        if not extras:
-            return seed
-        if len(extras) == 1 and isinstance(extras[0], str):  # cache salt only
-            return hashing.hash_seed(ev.lora_name, extras[0])
-        return xxhash.xxh3_64_intdigest(repr(extras).encode(), seed)  # unreproducible: never matches
+        if first is None:
+            return hashing.hash_seed(ev.lora_name, None)
+        seed = hashing.hash_seed(ev.lora_name, first.salt)
+        if first.other:
+            seed = xxhash.xxh3_64_intdigest(repr(first.other).encode(), seed)  # unreproducible
+        return seed
 
     def _stored(self, ev: BlockStored, ts: float) -> RouterKvEvent | None:
         if ev.medium not in _DEVICE_MEDIA or ev.group_idx not in (None, 0):
@@ -186,15 +192,19 @@ class KvTranslator:
                             self.instance, self.dp_rank, n)
                 return None
             parent_seed = self._chain_seed.get(ev.parent_block_hash)
-        extra_keys = ev.extra_keys or []
-        seed = self._seed_for(ev, parent_seed,
-                              extra_keys[0] if extra_keys and parent_seq is None else None)
+        # Per block: image pairs (any block), then the salt and the unreproducible rest of a
+        # prompt's first block go to the seed, those of any other block to that block's hash.
+        extras = [_parse_extras(k, ev.lora_name, first=i == 0 and parent_seq is None)
+                  for i, k in enumerate((ev.extra_keys or [])[:n])]
+        seed = self._seed_for(ev, parent_seed, extras[0] if extras and parent_seq is None else None)
         bhashes = hashing.block_hashes_seeded(ev.token_ids, bs, seed)
-        # Per-block extras past the first (multimodal in the middle of a prompt) change that block.
-        for i in range(1 if parent_seq is None else 0, min(n, len(extra_keys))):
-            extras = _extras_without_lora(extra_keys[i], ev.lora_name)
-            if extras:
-                bhashes[i] = xxhash.xxh3_64_intdigest(repr(extras).encode(), bhashes[i])
+        for i, ex in enumerate(extras):
+            if ex is None:
+                continue
+            if ex.mm:
+                bhashes[i] = hashing.fold_mm(bhashes[i], ex.mm, seed)
+            if ex.other and (i > 0 or parent_seq is not None):
+                bhashes[i] = xxhash.xxh3_64_intdigest(repr(ex.other).encode(), bhashes[i])
         seqs = hashing.chain_hashes(bhashes, seed, parent_seq)
         base_seed = hashing.hash_seed(ev.lora_name, None)
         blocks: list[StoredBlock] = []
@@ -284,6 +294,41 @@ def _as_base(ev: BlockStored) -> BlockStored:
              for k in (ev.extra_keys or [])]
     return msgspec.structs.replace(ev, lora_name=None, lora_id=None,
                                    extra_keys=extra if ev.extra_keys is not None else None)
+
+
+class _Extras(NamedTuple):
+    """One block's extra keys, sorted by what they mean to the router hash."""
+
+    mm: list[hashing.MmKey]  # (identifier, offset in the block) per image, in vLLM's order
+    salt: str | None  # the cache salt (a prompt's first block only)
+    other: tuple  # what tokens cannot reproduce (prompt-embedding digests, unknown shapes)
+
+
+def _parse_extras(extra: object, lora_name: str | None, *, first: bool) -> _Extras | None:
+    """A block's extra keys minus the LoRA name, sorted (None when nothing is left).
+
+    On a prompt's first block, a lone bare string is the cache salt (vLLM: LoRA name, image pairs,
+    salt, embeddings digest); two are ambiguous, and a string elsewhere unknown: unreproducible."""
+    items = _extras_without_lora(extra, lora_name)
+    if not items:
+        return None
+    mm: list[hashing.MmKey] = []
+    strs: list[str] = []
+    other: list[object] = []
+    for it in items:
+        if (isinstance(it, list | tuple) and len(it) == 2 and isinstance(it[0], str)
+                and type(it[1]) is int and -_I64 <= it[1] < _I64):
+            mm.append((it[0], it[1]))
+        elif isinstance(it, str):
+            strs.append(it)
+        else:
+            other.append(it)
+    salt = None
+    if first and len(strs) == 1:
+        salt = strs[0]
+    else:
+        other += strs
+    return _Extras(mm, salt, tuple(other))
 
 
 def _extras_without_lora(extra: object, lora_name: str | None) -> tuple:

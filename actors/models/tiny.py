@@ -178,9 +178,16 @@ def ensure_tiny_model(out: Path | str | None = None, seed: int = DEFAULT_SEED, f
 
 @functools.lru_cache(maxsize=64)
 def resolve_model_path(path: str) -> str:
-    """A topology's model or tokenizer path: "tiny" is this model (built on first use), any other
-    path is as given. Cached: a frontend resolves its model's path on every request."""
-    return str(ensure_tiny_model()) if path == "tiny" else path
+    """A topology's model or tokenizer path: "tiny" is this model and "tiny-vlm" the tiny vision
+    model (actors.models.tiny_vlm), each built on first use; any other path is as given. Cached: a
+    frontend resolves its model's path on every request."""
+    if path == "tiny":
+        return str(ensure_tiny_model())
+    if path == "tiny-vlm":
+        from actors.models.tiny_vlm import ensure_tiny_vlm  # it builds on this module
+
+        return str(ensure_tiny_vlm())
+    return path
 
 
 def _build_all(model_dir: Path, seed: int) -> None:

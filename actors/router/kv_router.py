@@ -55,11 +55,13 @@ class KvRouter:
     # ---- hot path --------------------------------------------------------------------------------
     def route(self, tokens: Sequence[int], workers: Sequence[Worker], *, request_id: str | None = None,
               lora_name: str | None = None, salt: str | None = None,
-              block_sizes: Mapping[Worker, int | None] | None = None, book: bool = True) -> RoutingDecision:
-        """Choose a worker for ``tokens``; with ``book``, book the request's load and blocks there."""
+              block_sizes: Mapping[Worker, int | None] | None = None, book: bool = True,
+              mm: Sequence[hashing.MmSpan] | None = None) -> RoutingDecision:
+        """Choose a worker for ``tokens``; with ``book``, book the request's load and blocks there.
+        ``mm``: the prompt's images (placeholder ranges in ``tokens``), hashed into their blocks."""
         m = self.metrics
         t0 = time.perf_counter()
-        seqs = hashing.sequence_hashes(tokens, self.config.block_size, lora_name, salt)
+        seqs = hashing.sequence_hashes(tokens, self.config.block_size, lora_name, salt, mm)
         t1 = time.perf_counter()
         real = self.index.find_matches(seqs)
         overlaps = self._with_predictions(seqs, real)
@@ -86,9 +88,10 @@ class KvRouter:
         return decision
 
     def pin(self, tokens: Sequence[int], worker: Worker, *, request_id: str | None = None,
-            lora_name: str | None = None, salt: str | None = None) -> RoutingDecision:
+            lora_name: str | None = None, salt: str | None = None,
+            mm: Sequence[hashing.MmSpan] | None = None) -> RoutingDecision:
         """Book a request whose worker is already fixed (pinned by the client, or the only one)."""
-        seqs = hashing.sequence_hashes(tokens, self.config.block_size, lora_name, salt)
+        seqs = hashing.sequence_hashes(tokens, self.config.block_size, lora_name, salt, mm)
         real = self.index.find_matches(seqs)
         overlap = self._with_predictions(seqs, real).get(worker, 0)
         decision = RoutingDecision(worker[0], worker[1], overlap, 0.0, len(tokens) // self.config.block_size,

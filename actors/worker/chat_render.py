@@ -29,18 +29,29 @@ log = logging.getLogger(__name__)
 
 
 def flatten_content(msg: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts → a string (vLLM's "string" content format); text only."""
+    """OpenAI content parts → a string (vLLM's "string" content format), unless the message holds
+    images: then the parts stay a list (vLLM's "openai" format), text parts as they are and each
+    image as ``{"type": "image"}``, which a vision model's template renders as its placeholder.
+    Images reach this point only as ``{"type": "image"}`` (actors.frontend.media loaded and checked
+    them); any other part type is refused."""
     content = msg.get("content")
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            ptype = part.get("type") if isinstance(part, dict) else None
-            if ptype in ("text", "input_text", "refusal"):
-                texts.append(part.get("text") or part.get("refusal") or "")
-            else:
-                raise BadRequest(f"content part type {ptype!r} is not supported (text only)")
-        msg = {**msg, "content": "\n".join(texts)}
-    return msg
+    if not isinstance(content, list):
+        return msg
+    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        ptype = part.get("type") if isinstance(part, dict) else None
+        if ptype in ("text", "input_text", "refusal"):
+            text = part.get("text") or part.get("refusal") or ""
+            texts.append(text)
+            parts.append({"type": "text", "text": text})
+        elif ptype == "image":
+            parts.append({"type": "image"})
+        else:
+            raise BadRequest(f"content part type {ptype!r} is not supported here (text and images only)")
+    if len(parts) != len(texts):
+        return {**msg, "content": parts}
+    return {**msg, "content": "\n".join(texts)}
 
 
 def render_chat(hf: Any, template: str | None, messages: list[dict[str, Any]], *,
@@ -136,4 +147,8 @@ class ChatSupport:
             raise BadRequest(f"cannot serve a chat request here: {self.why_not}")
         if not chat.messages:
             raise BadRequest("messages must not be empty", param="messages")
+        if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image"
+                                                          for p in m["content"]) for m in chat.messages):
+            # the images would need the frontend's processor (MultiModalInput); text mode has none
+            raise BadRequest("text mode takes no images", param="messages")
         return msgspec.structs.replace(req, chat=None, token_ids=self.renderer.prompt_ids(chat))

@@ -177,6 +177,9 @@ class EncodeRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: str
     token_ids: list[int]  # the expanded prompt (as GenerateRequest.token_ids)
     mm: MultiModalInput  # images without encoder outputs
+    # readiness/liveness: encode the worker's own built-in image instead (token_ids and mm are not
+    # read: give [] and no images); the reply has no outputs
+    probe: bool = False
 
 
 class EncodedImage(msgspec.Struct, kw_only=True):

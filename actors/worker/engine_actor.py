@@ -3,6 +3,8 @@
 Subjects: ``ns.<pool>.generate`` (queue group: any replica) and ``ns.<pool>.generate.<instance>``
 (routed); control on ``ns.worker.<instance>.<verb>`` — sleep, wake_up, clear_kv_blocks, health,
 stats, cancel, and the engine-side adapter verbs the LoRA manager calls (engine.lora_add|remove|list).
+An encode worker (E/P/D, role "encode") also serves ``ns.worker.<instance>.encode`` (EncodeRequest →
+EncodeReply, msgpack or JSON like any verb); its generate subjects refuse every request (400).
 Every control endpoint takes header-less JSON (``nats req``). The verbs that change state (sleep,
 wake_up, clear_kv_blocks, engine.lora_add|remove, cancel's JSON form) are strict: the payload must
 be a JSON object of known fields (``{}`` for the defaults); empty, non-object, malformed or
@@ -29,6 +31,8 @@ from actors.instances.contract import WORKER_KIND, InstanceRecord, ModelCard
 from actors.worker import contract as C
 from actors.worker.contract import (
     ClearKvBlocksRequest,
+    EncodeReply,
+    EncodeRequest,
     EngineDead,
     EngineKvSources,
     EngineLoraAdd,
@@ -41,13 +45,13 @@ from actors.worker.contract import (
     StatusReply,
     WakeUpRequest,
 )
-from actors.worker.health import consume_probe, probe_request
+from actors.worker.health import consume_probe, probe_encode_request, probe_request
 from actors.worker.metrics import WorkerMetrics, load_reports
 from actors.worker.serving import EngineService
 from actors.worker.sleep import SleepController
 from bus import codec, rpc
 from bus import subjects as S
-from bus.errors import BadRequest, NotFound
+from bus.errors import BadRequest, NotFound, RequestTimeout
 from bus.registry import Registry
 from bus.rpc import respond
 from bus.stream_responder import StreamCancels
@@ -57,6 +61,8 @@ from config.topology import ModelConfig, PoolConfig
 log = logging.getLogger(__name__)
 
 GENERATE_ENDPOINTS = ("generate", "generate_instance")
+# what a sleeping worker unsubscribes: the work endpoints (encode exists on encode workers only)
+WORK_ENDPOINTS = (*GENERATE_ENDPOINTS, "encode")
 # How long in-flight streams get to deliver their EngineDead error before the actor fails.
 _DEATH_GRACE = 2.0
 
@@ -178,7 +184,8 @@ class EngineActor(Actor):
     def endpoints(self) -> list[Endpoint]:
         sj = self.bus.subjects
         w = lambda verb: sj.worker(self.instance, verb)  # noqa: E731
-        return [
+        encode = [Endpoint("encode", w(C.VERB_ENCODE), self.encode, EncodeRequest, queue_group=None)]
+        return [*(encode if self.role == "encode" else []),
             Endpoint("generate", sj.generate(self.pool_name), self.generate, GenerateRequest, streaming=True),
             Endpoint("generate_instance", sj.generate_instance(self.pool_name, self.instance), self.generate,
                      GenerateRequest, streaming=True, queue_group=None),
@@ -214,6 +221,9 @@ class EngineActor(Actor):
             self.cancels.engine_ids.pop(stream_id, None)
             await chunks.aclose()  # type: ignore[attr-defined]
 
+    async def encode(self, req: EncodeRequest, _h: Mapping[str, str]) -> EncodeReply:
+        return await self.service.encode(req)
+
     async def sleep(self, req: SleepRequest, _h: Mapping[str, str]) -> StatusReply:
         with self.metrics.track("sleep"):
             return await self.sleeper.sleep(req)
@@ -248,10 +258,20 @@ class EngineActor(Actor):
 
     async def ready_probe(self) -> None:
         """Ready means serving: before the instance is registered, one token is generated through
-        our own routed generate subject (the bus, the subscription and the engine all answer)."""
+        our own routed generate subject (the bus, the subscription and the engine all answer); an
+        encode worker encodes its built-in image through its own encode subject instead."""
         if self.service.sleeping:
             return  # registered as "sleeping": not routable, nothing to prove yet
         deadline = self.pool.health.timeout
+        if self.role == "encode":
+            try:
+                await rpc.request(self.bus.nc, self.bus.subjects.worker(self.instance, C.VERB_ENCODE),
+                                  probe_encode_request(0), timeout=deadline, msgpack=True, reply_type=EncodeReply)
+            except RequestTimeout:
+                raise EngineDead(f"engine of {self.instance} encoded no image within {deadline:g}s "
+                                 f"of start") from None
+            log.info("%s: encoder answered its readiness probe; registering", self.instance)
+            return
         subject = self.bus.subjects.generate_instance(self.pool_name, self.instance)
         call = rpc.stream_request(self.bus.nc, subject, probe_request(0), stall_timeout=deadline,
                                   chunk_type=GenerateChunk)
@@ -355,9 +375,9 @@ class EngineActor(Actor):
             await self.registry.register(self.instance, self.record())
 
     async def _set_generate_subscribed(self, on: bool) -> None:
-        """Unsubscribe the generate endpoints while asleep, so the pool's queue group delivers to
-        awake replicas only (the admission gate covers messages already in flight)."""
+        """Unsubscribe the generate (and encode) endpoints while asleep, so the pool's queue group
+        delivers to awake replicas only (the admission gate covers messages already in flight)."""
         svc = self._service
         if svc is None:
             return
-        await (svc.resume(GENERATE_ENDPOINTS) if on else svc.pause(GENERATE_ENDPOINTS))
+        await (svc.resume(WORK_ENDPOINTS) if on else svc.pause(WORK_ENDPOINTS))

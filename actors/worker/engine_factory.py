@@ -29,7 +29,9 @@ def _model_token_facts(path: str) -> dict[str, int]:
             config = json.load(f)
     except (OSError, ValueError):
         return {}  # not a local directory (e.g. a hub id): keep the mocker's defaults
-    facts = {"vocab_size": config.get("vocab_size"), "eos_token_id": config.get("eos_token_id")}
+    text = config.get("text_config") or {}  # a vision-language model keeps them in its text config
+    facts = {"vocab_size": config.get("vocab_size", text.get("vocab_size")),
+             "eos_token_id": config.get("eos_token_id", text.get("eos_token_id"))}
     if isinstance(facts["eos_token_id"], list) and facts["eos_token_id"]:
         facts["eos_token_id"] = facts["eos_token_id"][0]  # the mocker ends on one id: the first EOS
     return {k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 0}
@@ -71,9 +73,10 @@ def engine_env(pool: PoolConfig, replica: int, cpu_slot: int | None,
 
 
 def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, replica: int = 0,
-                 cpu_slot: int | None = None, advertise: str | None = None) -> Engine:
+                 cpu_slot: int | None = None, advertise: str | None = None, ec_consumer: bool = False) -> Engine:
     """A fresh, not yet started engine for ``pool``. Decode workers publish no KV events.
-    ``seed`` is a mocker's "weights" (a vLLM engine takes none here)."""
+    ``seed`` is a mocker's "weights" (a vLLM engine takes none here). ``ec_consumer``: the pool
+    has an encode pool beside it (``has_encode_pool``), whose encoder outputs its engine loads."""
     served = model.name if model else "model"
     args: dict[str, Any] = dict(pool.engine_args)
     if model is not None and model.context_length is not None:
@@ -115,10 +118,18 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, 
         # (tool calls, response_format) as vllm serve --reasoning-parser does
         args.setdefault("reasoning_parser", model.reasoning_parser)
     return VllmEngine(args, role=pool.role, served_model_name=served, kv_events_port=kv_events_port,
-                      env=engine_env(pool, replica, cpu_slot, advertise), identity_lora=pool.lora.identity_adapter)
+                      env=engine_env(pool, replica, cpu_slot, advertise), identity_lora=pool.lora.identity_adapter,
+                      ec_consumer=ec_consumer and pool.role in ("agg", "prefill"))
+
+
+def has_encode_pool(t: Topology) -> bool:
+    """E/P/D: the topology's agg and prefill engines consume an encode pool's outputs."""
+    return any(p.role == "encode" for p in t.pools.values())
 
 
 def factory_for(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, replica: int = 0,
-                cpu_slot: int | None = None, advertise: str | None = None) -> Callable[[], Engine]:
+                cpu_slot: int | None = None, advertise: str | None = None,
+                ec_consumer: bool = False) -> Callable[[], Engine]:
     """A zero-argument builder: each restart of the engine actor gets a fresh engine (and port)."""
-    return lambda: build_engine(pool, model, seed=seed, replica=replica, cpu_slot=cpu_slot, advertise=advertise)
+    return lambda: build_engine(pool, model, seed=seed, replica=replica, cpu_slot=cpu_slot, advertise=advertise,
+                                ec_consumer=ec_consumer)

@@ -2,7 +2,8 @@
 
 vLLM's ``check_health()`` only reads an "errored" flag, so an engine whose core hangs passes it.
 The monitor therefore also runs a liveness probe — a one-token generate with a deadline — through
-the same NATS subject real traffic uses. On death or timeout it publishes ``escalate`` to its worker
+the same NATS subject real traffic uses (an encode worker, which generates nothing, encodes its
+built-in image through its encode subject instead). On death or timeout it publishes ``escalate`` to its worker
 supervisor, which restarts the engine subtree (rest_for_one) with backoff.
 
 ``HealthChecker`` is the logic (no NATS); ``HealthMonitor`` is the actor wiring it to the bus.
@@ -17,9 +18,17 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from actors.base import Actor, Endpoint
-from actors.engines.protocol import SamplingOptions
+from actors.engines.protocol import MultiModalInput, SamplingOptions
 from actors.worker import contract as C
-from actors.worker.contract import EngineDead, GenerateChunk, GenerateRequest, HealthReply, LivenessReply
+from actors.worker.contract import (
+    EncodeReply,
+    EncodeRequest,
+    EngineDead,
+    GenerateChunk,
+    GenerateRequest,
+    HealthReply,
+    LivenessReply,
+)
 from bus import rpc
 from bus.context import BusContext
 from bus.errors import ActorError, Overloaded, RequestTimeout, StreamStalled, TransportError
@@ -183,6 +192,12 @@ def probe_request(n: int) -> GenerateRequest:
                            sampling=SamplingOptions(max_tokens=1, temperature=0.0, detokenize=False))
 
 
+def probe_encode_request(n: int) -> EncodeRequest:
+    """An encode worker's probe: it encodes its own built-in image (EncodeRequest.probe)."""
+    return EncodeRequest(request_id=f"probe-{n}-{time.monotonic_ns()}", token_ids=[], probe=True,
+                         mm=MultiModalInput(images=[], source_ids=[], prompt_len=0, placeholders=[]))
+
+
 async def consume_probe(chunks: object, deadline: float) -> None:
     """Read a probe stream until its final chunk, within ``deadline`` seconds (TimeoutError)."""
 
@@ -246,6 +261,14 @@ class HealthMonitor(Actor):
 
     async def _probe(self, deadline: float) -> None:
         self._n += 1
+        if self.role == "encode":
+            subject = self.bus.subjects.worker(self.engine_instance, C.VERB_ENCODE)
+            try:
+                await rpc.request(self.bus.nc, subject, probe_encode_request(self._n), timeout=deadline,
+                                  msgpack=True, reply_type=EncodeReply)
+            except RequestTimeout as e:  # a hang, not a transport failure (which skips the probe)
+                raise TimeoutError(str(e)) from None
+            return
         subject = self.bus.subjects.generate_instance(self.pool_name, self.engine_instance)
         call = rpc.stream_request(self.bus.nc, subject, probe_request(self._n), stall_timeout=deadline,
                                   chunk_type=GenerateChunk)

@@ -294,8 +294,9 @@ def _sample(m: KvPublisherMetrics, name: str) -> int:
 
 
 def worker_child(env: WorkerEnv) -> ChildSpec | None:
-    """The worker's KV publisher: none for decode workers (their blocks are never routed to)."""
-    if env.pool.role == "decode":
+    """The worker's KV publisher: none for decode workers (their blocks are never routed to) and
+    encode workers (an encode-only engine has no KV cache)."""
+    if env.pool.role in ("decode", "encode"):
         return None
     model = env.topology.model.name if env.topology.model else ""
 

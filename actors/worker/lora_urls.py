@@ -49,8 +49,11 @@ def _has_dotdot(path: str) -> bool:
 def _target(url: str) -> tuple[URL, _Target]:
     """The URL as it will be requested and what the allow-list compares; raises ``_Refused``."""
     if any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7F or c == "\\" for c in url):
-        raise _Refused("spaces, control characters and backslashes are not allowed in adapter URLs")
-    split = urlsplit(url)
+        raise _Refused("spaces, control characters and backslashes are not allowed in URLs")
+    try:
+        split = urlsplit(url)
+    except ValueError as e:  # an unclosed IPv6 bracket
+        raise _Refused(f"malformed URL ({e})") from None
     if split.scheme.lower() not in _DEFAULT_PORTS:
         raise _Refused(f"scheme {split.scheme!r} is not http or https")
     if "@" in split.netloc:
@@ -140,7 +143,10 @@ def url_allowed(url: str, allow_urls: Sequence[str]) -> bool:
 
 def shown(url: str, limit: int = 300) -> str:
     """``url`` for messages: credentials masked, length capped."""
-    split = urlsplit(url)
+    try:
+        split = urlsplit(url)
+    except ValueError:  # unparsable: credentials in it could not be found to mask
+        return "<malformed URL>"
     if "@" in split.netloc:
         url = url.replace(split.netloc, "***@" + split.netloc.rsplit("@", 1)[1], 1)
     return url if len(url) <= limit else url[:limit] + "..."

@@ -36,7 +36,7 @@ from actors.worker import kv_publisher, lora_actor
 from actors.worker.checkpoint import RESTORE_DONE, prepare
 from actors.worker.contract import HealthReply, LivenessReply
 from actors.worker.engine_actor import EngineActor
-from actors.worker.engine_factory import advertised_host, factory_for
+from actors.worker.engine_factory import advertised_host, factory_for, has_encode_pool
 from actors.worker.health import HealthMonitor
 from actors.worker.metrics import engine_metrics
 from actors.worker.status_http import StatusServer, status_bind_host
@@ -105,7 +105,7 @@ def default_engine_factory(t: Topology, pool_name: str, replica: int) -> Callabl
     pool = t.pools[pool_name]
     advertise = advertised_host(t, pool.host) if pool.engine == "vllm" else None
     return factory_for(pool, t.model, seed=0, replica=replica, cpu_slot=cpu_slot(t, pool_name, replica),
-                       advertise=advertise)
+                       advertise=advertise, ec_consumer=pool.engine == "vllm" and has_encode_pool(t))
 
 
 def build_children(env: WorkerEnv, engine_factory: Callable[[], Engine] | None = None,

@@ -19,10 +19,14 @@ from typing import Any
 
 import msgspec
 
-from actors.engines.protocol import Engine, EngineDeadError, LoraRef
+from actors.engines.limits import LimitError, Limits, check_prompt_ids
+from actors.engines.protocol import EncodeFailed, Engine, EngineDeadError, LoraRef
 from actors.worker.chat_render import ChatSupport
 from actors.worker.contract import (
     DisaggregatedParams,
+    EncodedImage,
+    EncodeReply,
+    EncodeRequest,
     EngineDead,
     EngineLoraAdd,
     GenerateChunk,
@@ -36,6 +40,7 @@ from actors.worker.metrics import WorkerMetrics
 from actors.worker.validation import (
     build_prompt,
     check_context,
+    check_mm,
     check_sampling,
     context_length_message,
     kv_params_for,
@@ -47,6 +52,7 @@ from config.topology import ModelConfig, PoolConfig
 log = logging.getLogger(__name__)
 
 GENERATE = "generate"
+ENCODE = "encode"
 # Aborts the worker decided on (not the caller): the stream ends with a 503 instead of "abort".
 _MIGRATE_REASONS = {"shutdown": "shutting down", "sleep": "going to sleep"}
 
@@ -193,12 +199,10 @@ class EngineService:
 
     # --- generate ----------------------------------------------------------------------------------
     def _admit(self, req: GenerateRequest) -> tuple[Any, Any, LoraRef | None, int | None]:
-        if self.dead:
-            # a refusal, not a death this request coincided with (the frontend counts those to
-            # contain requests of death): the engine died before, and is being restarted
-            raise Overloaded("engine restarting after its death: not accepting requests")
-        if not self.accepting:
-            raise Overloaded("worker is asleep or stopping: not accepting generate requests")
+        if self.role == "encode":
+            raise BadRequest("this is an encode worker: it runs the vision encoder only (verb encode); "
+                             "generate requests go to agg or prefill workers")
+        self._check_accepting()
         facts = self.engine.facts
         check_sampling(req.sampling, facts)
         fit_max_tokens = req.chat is not None and req.chat.fit_max_tokens
@@ -223,6 +227,14 @@ class EngineService:
             if waiting >= self.pool.max_waiting:
                 raise Overloaded(f"overloaded: {waiting} requests waiting (max_waiting={self.pool.max_waiting})")
         return prompt, sampling, lora, n_prompt
+
+    def _check_accepting(self) -> None:
+        if self.dead:
+            # a refusal, not a death this request coincided with (the frontend counts those to
+            # contain requests of death): the engine died before, and is being restarted
+            raise Overloaded("engine restarting after its death: not accepting requests")
+        if not self.accepting:
+            raise Overloaded("worker is asleep or stopping: not accepting requests")
 
     def _chat_as_tokens(self, req: GenerateRequest) -> GenerateRequest:
         """Text mode: the chat template is applied here, and the engine runs the token ids."""
@@ -316,6 +328,61 @@ class EngineService:
                     await engine.abort(rid)
                 except Exception as e:  # noqa: BLE001 - the engine may be gone already
                     log.warning("abort of %s failed: %s", rid, e)
+
+    # --- encode (E/P/D) -----------------------------------------------------------------------------
+    def _check_encode(self, req: EncodeRequest) -> None:
+        """An encode request as its generate request will be checked: the images (``check_mm``)
+        and the expanded prompt they lie in (the model's tokens, within its context)."""
+        facts = self.engine.facts
+        try:
+            check_prompt_ids(req.token_ids, Limits.of(facts), "token_ids")
+        except LimitError as e:
+            raise BadRequest(str(e), param=e.param) from None
+        check_mm(req.mm, len(req.token_ids), facts)
+        check_context(self.max_model_len, len(req.token_ids), 1)
+
+    async def encode(self, req: EncodeRequest) -> EncodeReply:
+        """Run the vision encoder on a prompt's images; one output per distinct image, in prompt
+        order. Refusals as for generate (Overloaded while dead, asleep or stopping); a death during
+        the run is EngineDead and an aborted or incomplete run Unavailable, so the caller can ask
+        another encode worker (or let the agg/prefill worker encode the images itself)."""
+        if self.role != "encode":
+            raise BadRequest("this worker is not an encode worker (its pool's role is "
+                             f"{self.role!r}): send encode requests to an encode pool's workers")
+        self._check_accepting()
+        if not req.probe:
+            self._check_encode(req)
+        rid = req.request_id or uuid.uuid4().hex
+        if rid in self._active:
+            raise Conflict(f"request id {rid} is already in flight")
+        act = _Active(rid)
+        self._active[rid] = act
+        self._last_activity = time.monotonic()
+        engine = self.engine
+        try:
+            with self.metrics.track(ENCODE):
+                if req.probe:
+                    await engine.encode_probe(rid)
+                    outputs: list[tuple[str, bytes]] = []
+                else:
+                    outputs = await engine.encode(req.mm, list(req.token_ids), rid)
+        except EngineDeadError as e:
+            raise EngineDead(f"engine dead: {e}") from None
+        except EncodeFailed as e:
+            if act.abort_reason is not None:
+                self.metrics.cancelled(ENCODE, act.abort_reason)
+            why = _MIGRATE_REASONS.get(act.abort_reason or "", act.abort_reason)
+            raise Unavailable(f"encode {rid}: {e}" + (f" (worker {why})" if why else "")) from None
+        except ActorError:
+            raise
+        except Exception as e:
+            if not _is_request_error(e):
+                raise
+            raise BadRequest(str(e.args[0]) if e.args else str(e), param="mm") from None
+        finally:
+            self._active.pop(rid, None)
+            self._last_activity = self.last_output = time.monotonic()
+        return EncodeReply(outputs=[EncodedImage(uuid=u, encoder_output=data) for u, data in outputs])
 
     async def cancel(self, request_id: str) -> StatusReply:
         act = self._active.get(request_id)

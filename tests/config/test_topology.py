@@ -133,6 +133,21 @@ def test_mocker_engine_args_are_free_form_and_agg_disagg_mix_is_fine() -> None:
     assert t.hosts() == ["gpu-2", "local"]
 
 
+def test_an_encode_pool_goes_with_agg_or_prefill_vllm_pools() -> None:
+    """E/P/D: encode beside agg, and encode beside prefill + decode (the decode pool may be anything
+    the prefill pool can hand KV to); the broken cases are fixtures (bad_encode_*)."""
+    vlm = {"name": "m", "path": "tiny-vlm"}
+    t = topology_from_dict({"model": vlm, "pools": {"enc": {"role": "encode", "replicas": 2},
+                                                    "agg": {"role": "agg"}}}, "t.toml")
+    assert [p.role for p in t.pools.values()] == ["encode", "agg"]
+    t = topology_from_dict({"model": vlm, "pools": {"enc": {"role": "encode"}, "pf": {"role": "prefill"},
+                                                    "dec": {"role": "decode"}}}, "t.toml")
+    assert t.pools["enc"].engine == "vllm"
+    with pytest.raises(TopologyError, match="pools.enc.role: an encode pool hands"):
+        topology_from_dict({"model": vlm, "pools": {"enc": {"role": "encode"}, "dec": {"role": "decode"}}},
+                           "t.toml")
+
+
 def test_int_is_accepted_for_float_fields() -> None:
     t = topology_from_dict({"frontend": {"enabled": False}, "supervisor": {"period": 5}}, "t.toml")
     assert t.supervisor.period == 5.0

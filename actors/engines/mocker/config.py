@@ -26,6 +26,7 @@ Keys (all optional; an unknown key is a ValueError naming it):
 | kv_events_buffer_steps | 10000 | replay ring size (batches) |
 | tokenizer | None | a tokenizer directory (its ``tokenizer.json``) or file: text prompts are encoded and output text decoded with it instead of bytes and ``" t<id>"``; ``script`` needs it (a worker passes its model's when the pool has a script) |
 | script | [] | scripted replies (below) |
+| input_modalities | ["text"] | what prompts may hold: add "image" to take image prompts (token ids already expanded, plus ``mm``); their blocks are cached and published under vLLM's image keys, the images themselves are not looked at |
 
 ``script`` is a list of tables ``{ when = "substring", text = "reply" }`` (TOML: an array of inline
 tables, or ``[[pools.<name>.engine_args.script]]`` blocks). For each request the first entry whose
@@ -47,6 +48,8 @@ from typing import Any
 
 from actors.engines.mocker.script import ScriptEntry, parse_script
 from actors.engines.mocker.timing import parse_speedup
+
+MODALITIES = frozenset({"text", "image"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,7 @@ class MockerArgs:
     kv_events_buffer_steps: int = 10_000
     tokenizer: str | None = None
     script: tuple[ScriptEntry, ...] = ()
+    input_modalities: tuple[str, ...] = ("text",)
 
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> MockerArgs:
@@ -85,6 +89,8 @@ class MockerArgs:
             args["speedup_ratio"] = parse_speedup(args["speedup_ratio"])
         if "script" in args:
             args["script"] = parse_script(args["script"])
+        if isinstance(args.get("input_modalities"), list):  # TOML arrays are lists
+            args["input_modalities"] = tuple(args["input_modalities"])
         out = cls(**args)
         out.validate()
         return out
@@ -120,6 +126,11 @@ class MockerArgs:
                 raise ValueError(f"mocker arg {name} must be a non-negative int or None, got {v!r}")
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
             raise ValueError(f"mocker arg tokenizer must be a path, got {self.tokenizer!r}")
+        mods = self.input_modalities
+        if not isinstance(mods, tuple) or "text" not in mods \
+                or not all(isinstance(m, str) and m in MODALITIES for m in mods):
+            raise ValueError(f"mocker arg input_modalities must list \"text\" and optionally \"image\", "
+                             f"got {mods!r}")
         if self.script and self.tokenizer is None:
             raise ValueError("mocker arg script needs a tokenizer (the text is encoded with it): set the "
                              "topology's model, or the mocker arg tokenizer")

@@ -12,6 +12,11 @@ output; "decode" publishes no KV events and, given ``kv_transfer_params`` with
 hand-off) and reports them as cached. Faults: ``die_at_start``, ``die_after_tokens``,
 ``hang_after_tokens`` args, and ``inject_death()`` / ``inject_hang()`` at any time.
 
+Image prompts (``input_modalities`` with "image"): ``TokensPrompt.token_ids`` is the expanded prompt,
+so the images' placeholder tokens are prompt tokens like any; the images only key the blocks they
+touch (``actors.engines.mm_keys``: the same text with another image is a prefix-cache miss from the
+first block holding it) and appear in the ``BlockStored`` extra keys exactly as vLLM's.
+
 With a ``tokenizer`` arg (``text_codec.py``) text is real text, and a ``script`` (``script.py``)
 replaces the pseudo-tokens of matching prompts by given text.
 """
@@ -29,6 +34,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from actors.engines.limits import Limits, check_prompt_ids, check_sampling_limits
+from actors.engines.mm_keys import MmSpan, mm_spans
 from actors.engines.mocker import outputs
 from actors.engines.mocker import tokens as tk
 from actors.engines.mocker.config import MockerArgs
@@ -74,7 +80,7 @@ class MockerEngine(Engine):
             served_model_name=served_model_name, model_path="mock", tokenizer_path="mock",
             max_model_len=a.max_model_len, block_size=a.block_size, total_kv_blocks=a.num_gpu_blocks,
             dp_size=a.dp_size, vocab_size=a.vocab_size, eos_token_ids=[a.eos_token_id],
-            max_logprobs=a.max_logprobs)
+            max_logprobs=a.max_logprobs, input_modalities=list(a.input_modalities))
         self.limits = Limits.of(self.facts)
         self.timing = TimingModel(a.speedup_ratio)
         self.received_kv_transfer_params: list[dict[str, Any]] = []
@@ -236,6 +242,25 @@ class MockerEngine(Engine):
             return tk.embeds_token_ids(prompt.tensor, self.args.vocab_size, prompt.num_tokens)
         raise ValueError(f"unsupported prompt type {type(prompt).__name__}")
 
+    def _mm_spans(self, prompt: Prompt, n_tokens: int) -> tuple[MmSpan, ...]:
+        """The images of a token prompt (``token_ids`` already expanded: they count as its tokens),
+        checked as vLLM's processor would refuse them (ValueErrors)."""
+        mm = prompt.mm if isinstance(prompt, TokensPrompt) else None
+        if mm is None:
+            return ()
+        if "image" not in self.args.input_modalities:
+            raise ValueError("this model does not take images (mocker arg input_modalities)")
+        if len(mm.placeholders) != len(mm.images):
+            raise ValueError(f"{len(mm.images)} images but {len(mm.placeholders)} placeholder ranges")
+        end = min(mm.prompt_len, n_tokens)
+        prev = 0
+        for off, n in mm.placeholders:
+            if off < prev or n <= 0 or off + n > end:
+                raise ValueError(f"image placeholder range ({off}, {n}) is not in order within the "
+                                 f"{end}-token prompt")
+            prev = off + n
+        return tuple(mm_spans(mm) or ())
+
     def _scripted_reply(self, prompt: Prompt, ids: list[int]) -> list[int] | None:
         """The script's reply for this prompt (None: no script, no match, or embeddings)."""
         if self._script is None or isinstance(prompt, EmbedsPrompt):
@@ -267,6 +292,7 @@ class MockerEngine(Engine):
         ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("empty prompt")
+        mm = self._mm_spans(prompt, len(ids))
         if self.args.poison_token_id is not None and self.args.poison_token_id in ids:
             # a request of death: the whole worker process goes, with no chance to answer
             logger.error("mocker %s: request %s holds poison_token_id %d; killing this process",
@@ -299,7 +325,7 @@ class MockerEngine(Engine):
             stop_token_ids=frozenset(sampling.stop_token_ids), lora_name=lora_name,
             lora_id=lora.int_id if lora else None, request_seed=sampling.seed,
             remote_prefill_tokens=remote,
-            token_seed=tk.hash_seed(self.seed, lora_name, sampling.seed), script=reply,
+            token_seed=tk.hash_seed(self.seed, lora_name, sampling.seed), script=reply, mm=mm,
             sink=self._sink(sampling))
         rank.sched.add(req)
         rank.work.set()

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
 
 from actors.engines.kv_events import (
     MEDIUM_GPU,
@@ -102,11 +103,13 @@ class BlockPool:
                 self.free[b] = None
 
     def cache_blocks(self, block_ids: list[int], hashes: list[int], parent: int | None,
-                     token_ids: list[int], lora_id: int | None, lora_name: str | None) -> None:
+                     token_ids: list[int], lora_id: int | None, lora_name: str | None, *,
+                     extra_keys: list[tuple[Any, ...] | None] | None = None) -> None:
         """Register newly full blocks under their hashes and emit one ``BlockStored`` for them.
 
-        A hash already cached by another block is re-announced (vLLM does the same; consumers
-        treat stores idempotently) but keeps pointing at the first block.
+        ``extra_keys``: per block, as vLLM publishes them (the request's ``extra_keys(i)``); by
+        default the LoRA name alone. A hash already cached by another block is re-announced (vLLM
+        does the same; consumers treat stores idempotently) but keeps pointing at the first block.
         """
         if not self.enable_prefix_caching or not block_ids:
             return
@@ -115,7 +118,8 @@ class BlockPool:
                 self.cached[h] = b
                 self.block_hash[b] = h
         if self.emit_events:
-            extra = [(lora_name,) if lora_name else None for _ in block_ids]
+            extra = extra_keys if extra_keys is not None else \
+                [(lora_name,) if lora_name else None for _ in block_ids]
             self.events.append(BlockStored(
                 block_hashes=list(hashes), parent_block_hash=parent, token_ids=list(token_ids),
                 block_size=self.block_size, lora_id=lora_id, medium=MEDIUM_GPU, lora_name=lora_name,

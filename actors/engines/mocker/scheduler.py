@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
+from actors.engines.mm_keys import MmKey, MmSpan, mm_block_keys
 from actors.engines.mocker.kv_pool import BlockPool
 from actors.engines.mocker.tokens import block_hash
 from actors.engines.protocol import FinishReason
@@ -42,6 +43,7 @@ class MockRequest:
     remote_prefill_tokens: int = 0  # prompt tokens whose KV arrives from a prefill engine
     token_seed: int = 0  # tokens.hash_seed(engine seed, LoRA, request seed)
     script: list[int] | None = None  # a scripted reply's tokens still to come (then EOS)
+    mm: tuple[MmSpan, ...] = ()  # the prompt's images: their blocks are keyed by them, as in vLLM
     sink: Any = None  # engine-side delivery object (queue)
     output: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
@@ -52,6 +54,7 @@ class MockRequest:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     released_blocks: list[int] = field(default_factory=list)  # blocks held when it finished
+    mm_keys: list[tuple[MmKey, ...]] = field(default_factory=list)  # per prompt block (update_hashes)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -65,18 +68,26 @@ class MockRequest:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def extra_keys(self) -> tuple[Any, ...] | None:
-        return (self.lora_name,) if self.lora_name else None
+    def extra_keys(self, i: int) -> tuple[Any, ...] | None:
+        """Block ``i``'s extra keys as vLLM makes them (and its events carry them): the LoRA name,
+        then ``(image id, offset in the block)`` per image touching the block; None without any."""
+        mm = self.mm_keys[i] if i < len(self.mm_keys) else ()
+        if not mm:
+            return (self.lora_name,) if self.lora_name else None
+        return ((self.lora_name, *mm) if self.lora_name else mm)
 
     def update_hashes(self, block_size: int) -> None:
         """Extend ``block_hashes`` to every full block of the known token sequence."""
+        if self.mm and not self.mm_keys:
+            end = max(sp.offset + sp.length for sp in self.mm)
+            self.mm_keys = mm_block_keys(self.mm, block_size, -(-end // block_size))
         toks = None
         while (len(self.block_hashes) + 1) * block_size <= self.num_tokens:
             toks = toks or self.all_tokens
             i = len(self.block_hashes)
             parent = self.block_hashes[-1] if self.block_hashes else None
             self.block_hashes.append(
-                block_hash(parent, toks[i * block_size:(i + 1) * block_size], self.extra_keys()))
+                block_hash(parent, toks[i * block_size:(i + 1) * block_size], self.extra_keys(i)))
 
 
 @dataclass
@@ -177,7 +188,8 @@ class Scheduler:
             toks = req.all_tokens[start * self.block_size:full * self.block_size]
             parent = req.block_hashes[start - 1] if start > 0 else None
             self.pool.cache_blocks(req.blocks[start:full], req.block_hashes[start:full], parent,
-                                   toks, req.lora_id, req.lora_name)
+                                   toks, req.lora_id, req.lora_name,
+                                   extra_keys=[req.extra_keys(i) for i in range(start, full)])
         req.num_cached_blocks = full
 
     # --- the step ----------------------------------------------------------------------------
