@@ -34,3 +34,6 @@ _.ValueClass  # prometheus_client's value class, swapped by tests/worker/test_st
 # vLLM's DelegatingParser reads it (actors/frontend/output_parsing.py switches reasoning off for an
 # output whose prompt already closed the thinking).
 _._reasoning_parser
+
+# transformers' save_pretrained writes it into the tiny VLM's config.json (actors/models/tiny_vlm.py)
+_.architectures

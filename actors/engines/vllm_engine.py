@@ -384,18 +384,6 @@ class VllmEngine(Engine):
         return ids, MultiModalInput(images=[ImageInput(uuid=uuid, data=data)], source_ids=list(source),
                                     prompt_len=len(ids), placeholders=[(int(rng.offset), int(rng.length))])
 
-    @property
-    def encode_cache(self) -> OutputCache:
-        return self._outputs
-
-    @property
-    def staging(self) -> ConsumerStaging | None:
-        return self._staging
-
-    @property
-    def ec_root(self) -> Path | None:
-        return self._ec_root
-
     # --- control --------------------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
         if self._llm is not None:

@@ -160,7 +160,10 @@ class TestMultimodalAgg:
 
 @pytest.fixture(scope="class")
 def epd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    d = boot_vlm(tmp_path_factory, "mmepd", "multimodal-epd.toml", {"encode": 1, "prefill": 1, "decode": 1})
+    nixl = [f"pools.prefill.env.VLLM_NIXL_SIDE_CHANNEL_PORT={free_port(4)}",
+            f"pools.decode.env.VLLM_NIXL_SIDE_CHANNEL_PORT={free_port(4)}"]
+    d = boot_vlm(tmp_path_factory, "mmepd", "multimodal-epd.toml", {"encode": 1, "prefill": 1, "decode": 1},
+                 sets=nixl)
     yield d
     shutdown(d)
 
@@ -174,5 +177,8 @@ class TestMultimodalEpd:
             assert one.choices[0].message.content == reference["one"]
             assert two.choices[0].message.content == reference["two"]
         assert one.choices[0].message.content != two.choices[0].message.content
-        enc = [line for line in epd.output(200_000).splitlines() if "encode" in line and "ERROR" in line]
+        log = epd.output(400_000)
+        enc = [line for line in log.splitlines() if "encode" in line and "ERROR" in line]
         assert not enc, enc
+        # the encode worker did the encoding: the prefill worker never fell back to its own encoder
+        assert "no encode worker could encode" not in log and "trying another encode worker" not in log

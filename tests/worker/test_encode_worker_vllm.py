@@ -32,6 +32,7 @@ import pytest_asyncio
 from PIL import Image
 
 from actors.engines.protocol import ImageInput, MultiModalInput, SamplingOptions
+from actors.instances.contract import WORKER_KIND
 from actors.worker import contract as C
 from actors.worker.contract import EncodeReply, EncodeRequest, GenerateChunk, GenerateRequest, LivenessReply
 from bus import rpc
@@ -176,7 +177,7 @@ async def env(workers: tuple[str, Path], nats_server: EmbeddedNats) -> AsyncIter
         except nats.js.errors.BucketNotFoundError:  # no worker has registered yet
             recs = {}
         instances = {r["pool"]: r["instance"] for r in recs.values()
-                     if r.get("kind") == "worker" and r.get("status") == "ready"}
+                     if r.get("kind") == WORKER_KIND and r.get("status") == "ready"}
         if len(instances) == 2:
             break
         await asyncio.sleep(1.0)
@@ -192,7 +193,7 @@ async def env(workers: tuple[str, Path], nats_server: EmbeddedNats) -> AsyncIter
 async def test_the_encode_worker_registers_as_encode(env: Env) -> None:
     """Registered only after its readiness probe (its built-in image encoded through its own encode
     subject); role "encode" in its record and its model card, as the frontend finds it."""
-    recs = {r["pool"]: r for r in (await registry(env.ctx.nc, env.ctx.namespace)).values() if r.get("kind") == "worker"}
+    recs = {r["pool"]: r for r in (await registry(env.ctx.nc, env.ctx.namespace)).values() if r.get("kind") == WORKER_KIND}
     assert recs["enc"]["role"] == "encode" and recs["agg"]["role"] == "agg"
     kv = await env.ctx.js.key_value(env.ctx.subjects.bucket_models)
     card = msgspec.json.decode((await kv.get("vlm.enc")).value)
