@@ -25,14 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import secrets
 import shutil
 from collections import OrderedDict
 from pathlib import Path
-
-logger = logging.getLogger(__name__)
 
 FILE_NAME = "encoder_cache.safetensors"  # ECExampleConnector's file in DIR/<mm_hash>/
 TENSOR = "ec_cache"  # the one tensor of that file

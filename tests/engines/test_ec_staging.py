@@ -120,3 +120,43 @@ def test_output_cache_is_lru_bounded_in_bytes() -> None:
     assert len(c) == 2 and c.get(U2) is None
     c.put(U1, b"11")  # replaced, counted once
     assert c.total_bytes == 6
+
+
+def test_which_engines_take_part_in_epd_and_where_their_files_go(tmp_path: Path) -> None:
+    """vllm_args.ec_transfer_config: encode produces, agg/prefill beside an encode pool consume, each
+    in a private directory of its own; a topology's own ec_transfer_config wins."""
+    from actors.engines.vllm_args import ec_transfer_config
+
+    made: list[Path] = []
+    try:
+        for role, consumer, ec_role in (("encode", False, "ec_producer"), ("agg", True, "ec_consumer"),
+                                        ("prefill", True, "ec_consumer")):
+            cfg, root, owned = ec_transfer_config(role, consumer, {})  # type: ignore[arg-type]
+            assert root is not None and owned
+            made.append(root)
+            assert cfg == {"ec_connector": "ECExampleConnector", "ec_role": ec_role,
+                           "ec_connector_extra_config": {"shared_storage_path": str(root)}}
+            assert root.is_dir() and root.stat().st_mode & 0o777 == 0o700
+        assert len(set(made)) == 3
+        for role, consumer in (("agg", False), ("decode", True)):
+            assert ec_transfer_config(role, consumer, {}) == (None, None, False)  # type: ignore[arg-type]
+        # the topology's own: its directory (kept), or ours when it names none
+        own = {"ec_connector": "ECExampleConnector", "ec_role": "ec_consumer",
+               "ec_connector_extra_config": {"shared_storage_path": str(tmp_path / "shared")}}
+        assert ec_transfer_config("agg", True, {"ec_transfer_config": own}) == (own, tmp_path / "shared", False)
+        assert (tmp_path / "shared").is_dir()
+        cfg, root, owned = ec_transfer_config("encode", False, {"ec_transfer_config": {
+            "ec_connector": "ECExampleConnector", "ec_role": "ec_producer"}})
+        assert root is not None and owned and cfg is not None
+        made.append(root)
+        assert cfg["ec_connector_extra_config"] == {"shared_storage_path": str(root)}
+        # another connector carries the outputs itself: nothing staged by the worker
+        mooncake = {"ec_connector": "ECMooncakeConnector", "ec_role": "ec_consumer"}
+        assert ec_transfer_config("agg", True, {"ec_transfer_config": mooncake}) == (mooncake, None, False)
+        with pytest.raises(ValueError, match="hands its encoder outputs over as ECExampleConnector files"):
+            ec_transfer_config("encode", False, {"ec_transfer_config": {**mooncake, "ec_role": "ec_producer"}})
+        with pytest.raises(ValueError, match='needs ec_role = "ec_producer"'):
+            ec_transfer_config("encode", False, {"ec_transfer_config": {**own, "ec_role": "ec_both"}})
+    finally:
+        for root in made:
+            root.rmdir()

@@ -177,7 +177,7 @@ async def env(workers: tuple[str, Path], nats_server: EmbeddedNats) -> AsyncIter
         except nats.js.errors.BucketNotFoundError:  # no worker has registered yet
             recs = {}
         instances = {r["pool"]: r["instance"] for r in recs.values()
-                     if r.get("kind") == WORKER_KIND and r.get("status") == "ready"}
+                     if r.get("kind") == WORKER_KIND and r.get("status", "ready") == "ready"}
         if len(instances) == 2:
             break
         await asyncio.sleep(1.0)

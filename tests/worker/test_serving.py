@@ -442,3 +442,20 @@ def test_engine_env_spreads_cores_and_nixl_ports() -> None:
     assert e1["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5608" and e1["VLLM_CPU_OMP_THREADS_BIND"] == str(1 % os.cpu_count())
     assert engine_env(t.pools["prefill"], 0, 0)["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert engine_env(t.pools["decode"], 0, 2)["VLLM_CPU_OMP_THREADS_BIND"] == "1"  # the topology's choice wins
+
+
+async def test_only_an_encode_worker_encodes(svc: EngineService) -> None:
+    """E/P/D's encode verb on an agg worker is refused by the service, and an engine that is not an
+    encode engine refuses it too (the protocol's default); encode workers themselves are covered on
+    vLLM (tests/worker/test_encode_worker_vllm.py: the mocker has no vision encoder)."""
+    from actors.engines.protocol import ImageInput, MultiModalInput
+    from actors.worker.contract import EncodeRequest
+
+    mm = MultiModalInput(images=[ImageInput(uuid="a" * 64, data=b"x")], source_ids=[1, 2], prompt_len=4,
+                         placeholders=[(1, 2)])
+    with pytest.raises(BadRequest, match="not an encode worker \\(its pool's role is 'agg'\\)"):
+        await svc.encode(EncodeRequest(request_id="e", token_ids=[1, 2, 3, 4], mm=mm))
+    with pytest.raises(BadRequest, match="this worker is not an encode worker"):
+        await svc.engine.encode(mm, [1, 2, 3, 4], "e")
+    with pytest.raises(BadRequest, match="this worker is not an encode worker"):
+        await svc.engine.encode_probe("p")
