@@ -44,6 +44,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from config.paths import vllm_actors_home
@@ -164,15 +165,20 @@ def _is_built(model_dir: Path, seed: int) -> bool:
 def ensure_tiny_model(out: Path | str | None = None, seed: int = DEFAULT_SEED, force: bool = False) -> Path:
     """Build the tiny model (and its adapters) unless an identical build exists; return its dir."""
     model_dir = Path(out).expanduser().resolve() if out else tiny_model_dir()
-    if not force and _is_built(model_dir, seed):
+    return build_once(model_dir, lambda: _is_built(model_dir, seed), lambda: _build_all(model_dir, seed), force)
+
+
+def build_once(model_dir: Path, built: Callable[[], bool], build: Callable[[], None], force: bool) -> Path:
+    """``build()`` unless ``built()``, under a lock beside ``model_dir``: tests and several worker
+    processes may ask at once; one builds, the others wait and reuse."""
+    if not force and built():
         return model_dir
     model_dir.parent.mkdir(parents=True, exist_ok=True)
-    # Tests and several worker processes may ask at once: one builds, the others wait and reuse.
     with open(model_dir.parent / f".{model_dir.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not force and _is_built(model_dir, seed):
+        if not force and built():
             return model_dir
-        _build_all(model_dir, seed)
+        build()
     return model_dir
 
 

@@ -23,7 +23,6 @@ The chat template is the tiny Llama's chatml, with an ``image`` content part ren
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import logging
 import os
@@ -98,15 +97,7 @@ def _is_built(model_dir: Path, seed: int) -> bool:
 def ensure_tiny_vlm(out: Path | str | None = None, seed: int = tiny.DEFAULT_SEED, force: bool = False) -> Path:
     """Build the tiny VLM unless an identical build exists; return its directory."""
     model_dir = Path(out).expanduser().resolve() if out else tiny_vlm_dir()
-    if not force and _is_built(model_dir, seed):
-        return model_dir
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    with open(model_dir.parent / f".{model_dir.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not force and _is_built(model_dir, seed):
-            return model_dir
-        _build(model_dir, seed)
-    return model_dir
+    return tiny.build_once(model_dir, lambda: _is_built(model_dir, seed), lambda: _build(model_dir, seed), force)
 
 
 def _build(model_dir: Path, seed: int) -> None:
