@@ -121,7 +121,9 @@ class Planner:
         for name, view in views.items():
             st = self.pools[name]
             if not st.limits.managed:
-                desired[name], reasons[name] = view.current, "not managed (planner.pools.*.managed = false)"
+                desired[name], reasons[name] = view.current, (
+                    "encode pool: not scaled (the planner's models measure tokens, not images)"
+                    if st.role == "encode" else "not managed (planner.pools.*.managed = false)")
             elif not view.known:
                 desired[name], reasons[name] = view.current, f"root {view.host} did not answer: counts unknown"
             elif self.cfg.mode == "throughput":

@@ -192,3 +192,35 @@ def test_load_mode_heeds_the_latency_clients_got(tmp_path: Path) -> None:
     assert held.target == 2 and "observed mean TTFT 400 ms not under target x 0.7: hold" in held.reason
     grown = p.decide(view(2), got(650.0), idle, now=2.0).pools[0]
     assert grown.target == 3 and "observed mean TTFT 650 ms over target 500: +1" in grown.reason
+
+
+def test_an_encode_pool_is_reported_and_held_never_scaled(tmp_path: Path) -> None:
+    """The E/P/D topology with the planner on, as an operator would enable it: the encode pool is
+    held at its replicas in both modes (its load is images, which no planner model measures), the
+    others are planned, and the loader counts the encode pool's replicas against the budget."""
+    from actors.planner.actor import pool_states
+    from actors.planner.load_model import EngineLoad
+    from config.loader import load_topology
+
+    root = Path(__file__).resolve().parents[2]
+    for mode in ("throughput", "load"):
+        t = load_topology(root / "topologies/multimodal-epd.toml",
+                          ["planner.enabled=true", f"planner.mode={mode!r}", "planner.budget=4"])
+        states = pool_states(t.planner, t.pools, {}, {})
+        assert {n: s.limits.managed for n, s in states.items()} == {"encode": False, "prefill": True, "decode": True}
+        p = Planner(t.planner, states)
+        views = {n: PoolView(n, pool.role, "local", pool.engine, children=[child(n, i) for i in range(2)])
+                 for n, pool in t.pools.items()}
+        loads = {n: [EngineLoad(f"{n}-{i}", 9, 9, 900, 9000, busy=1.0) for i in range(2)] for n in t.pools}
+        d = p.decide(views, Observed(windows=2, request_rate=50.0, isl=1000.0, osl=100.0), loads, now=0.0)
+        enc = next(x for x in d.pools if x.pool == "encode")
+        assert (enc.current, enc.desired, enc.target) == (2, 2, 2), enc
+        assert "encode pool: not scaled" in enc.reason
+        assert not [a for a in d.actions if a.child.startswith("worker-encode")]
+    # 1 encode replica held + prefill and decode at min 1 each: a budget of 2 cannot hold them
+    try:
+        load_topology(root / "topologies/multimodal-epd.toml", ["planner.enabled=true", "planner.budget=2"])
+    except Exception as e:  # noqa: BLE001 - the loader's own error type is what is checked
+        assert "3 engines" in str(e), e
+    else:
+        raise AssertionError("a budget below the encode pool's replicas plus the minimums was accepted")
