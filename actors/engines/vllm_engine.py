@@ -10,7 +10,8 @@ returns the connector's ``kv_transfer_params`` (NIXL: where the decode engine pu
 ``encode`` (E/P/D) runs the vision encoder only (vLLM's ``ec_producer``: no KV cache at all) and
 hands each image's output over as bytes (``encode``); an agg or prefill engine built with
 ``ec_consumer`` loads the outputs a request carries instead of encoding those images itself
-(actors.engines.ec_staging: vLLM's file connector, one private directory per engine).
+(actors.engines.vllm_epd; the files of vLLM's file connector, one private directory per engine, are
+actors.engines.ec_staging's).
 
 This module is the engine's lifecycle (build off the event loop, death watch, shutdown) and its
 controls; requests and outputs are translated in vllm_io.py, what the built engine reports about
@@ -24,24 +25,17 @@ import contextlib
 import gc
 import logging
 import os
-import secrets
 import shutil
-import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from actors.engines import vllm_args
-from actors.engines.ec_staging import ConsumerStaging, OutputCache, check_name, check_output, take_output
 from actors.engines.protocol import (
-    EncodeFailed,
     Engine,
     EngineDeadError,
     EngineOutput,
     EngineStats,
-    ImageInput,
     KvEventSource,
     LoraRef,
     MultiModalInput,
@@ -49,8 +43,8 @@ from actors.engines.protocol import (
     Role,
     SamplingOptions,
     StepSample,
-    TokensPrompt,
 )
+from actors.engines.vllm_epd import ENCODE_CACHE_BYTES, ConsumeSide, EncodeSide
 from actors.engines.vllm_facts import kv_event_sources, model_facts
 from actors.engines.vllm_io import engine_output, lora_request, sampling_params, vllm_prompt
 from actors.engines.vllm_stats import StatsSink
@@ -60,15 +54,6 @@ logger = logging.getLogger(__name__)
 
 _ROLES = ("agg", "prefill", "decode", "encode")
 _DEATH_POLL_S = 0.2
-# An encode request runs the encoder and stops: vLLM's encode-only engine finishes it with no token.
-_ENCODE_SAMPLING = SamplingOptions(max_tokens=1, temperature=0.0, detokenize=False)
-# encoder outputs an encode engine keeps for repeated images (bytes; the tiny VLM's are 5 KiB, a
-# 7B VLM's 1-7 MiB per image)
-ENCODE_CACHE_BYTES = 256 << 20
-# a cancelled encode's directory may still be written by the engine step in flight: swept later
-_ORPHAN_TTL_S = 60.0
-# safetensors dtype names of the model dtypes vLLM runs (a consumer's outputs must match it)
-_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 class VllmEngine(Engine):
@@ -87,11 +72,9 @@ class VllmEngine(Engine):
         self._ec_consumer = ec_consumer
         self._ec_root: Path | None = None  # the EC connector's directory (E/P/D), None: no part in it
         self._ec_owned = False  # the directory is ours (removed at shutdown)
-        self._staging: ConsumerStaging | None = None  # consumer: the outputs its requests carry
-        self._outputs = OutputCache(encode_cache_bytes)  # producer: recent outputs by image id
-        self._orphans: dict[str, float] = {}  # producer: names of cancelled runs -> when
-        self._probe: tuple[list[int], MultiModalInput] | None = None
-        self._ec_dtype: str | None = None
+        self._encode_cache_bytes = encode_cache_bytes
+        self._consume: ConsumeSide | None = None  # an ec_consumer's staging (vllm_epd)
+        self._encode_side: EncodeSide | None = None  # an encode engine's runs and cache (vllm_epd)
         self._engine_args = dict(engine_args)
         self._served_model_name = served_model_name
         self._kv_events_port = kv_events_port
@@ -135,10 +118,11 @@ class VllmEngine(Engine):
         self._identity = await asyncio.to_thread(self._identity_adapter, llm)
         if self.role != "encode" and vllm_args.is_cpu_platform():
             await self._warm_up(llm)
-        dtype = str(llm.vllm_config.model_config.dtype).removeprefix("torch.")
-        self._ec_dtype = _SAFETENSORS_DTYPES.get(dtype)
-        if self._ec_root is not None and self.role != "encode":
-            self._staging = ConsumerStaging(self._ec_root)
+        if self._ec_root is not None and self.role == "encode":
+            self._encode_side = EncodeSide(self._ec_root, self._encode_cache_bytes)
+        elif self._ec_root is not None:
+            dtype = str(llm.vllm_config.model_config.dtype).removeprefix("torch.")
+            self._consume = ConsumeSide(self._ec_root, self.facts.hidden_size, dtype)
         self._watch = asyncio.create_task(self._watch_death(), name="vllm-engine-death-watch")
         logger.info("vLLM engine up: role=%s model=%s max_len=%d block=%d kv_blocks=%d kv_events=%s%s",
                     self.role, self.facts.served_model_name, self.facts.max_model_len,
@@ -250,7 +234,8 @@ class VllmEngine(Engine):
                        kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[EngineOutput]:
         llm = self._live()
         params = sampling_params(sampling, self.role, kv_transfer_params)
-        staged = self._stage(prompt)  # ValueError for an encoder output this engine cannot load
+        # ValueError for an encoder output this engine cannot load
+        staged = self._consume.stage(prompt) if self._consume is not None else []
         try:
             stream = llm.generate(vllm_prompt(prompt), params, request_id,
                                   lora_request=lora_request(lora or self._identity),
@@ -266,125 +251,22 @@ class VllmEngine(Engine):
             finally:
                 await stream.aclose()  # a consumer that stopped early aborts the request in vLLM
         finally:
-            self._unstage(prompt, staged)
+            if self._consume is not None:
+                self._consume.unstage(prompt, staged)
 
-    # --- E/P/D: encoder outputs ---------------------------------------------------------------------
-    def _stage(self, prompt: Prompt) -> list[str]:
-        """Consumer: write the encoder outputs a prompt carries where this engine's connector looks
-        for them (checked first: vLLM loads them unchecked, inside an engine step). Outputs for an
-        engine that consumes none (no encode pool beside it, or a connector carrying them itself)
-        are ignored: it encodes the images itself, which gives the same result."""
-        mm = prompt.mm if isinstance(prompt, TokensPrompt) else None
-        if mm is None or self._staging is None:
-            return []
-        given = [(img, length) for img, (_off, length) in zip(mm.images, mm.placeholders, strict=False)
-                 if img.encoder_output is not None]
-        for img, length in given:
-            check_name(img.uuid)
-            check_output(img.encoder_output or b"", max_rows=length, width_unit=self.facts.hidden_size,
-                         dtype=self._ec_dtype)
-        staged: list[str] = []
-        try:
-            for img, _length in given:
-                self._staging.stage(img.uuid, img.encoder_output or b"")
-                staged.append(img.uuid)
-        except OSError:
-            self._unstage(prompt, staged)
-            raise
-        return staged
-
-    def _unstage(self, prompt: Prompt, staged: list[str]) -> None:
-        if self._staging is None or not isinstance(prompt, TokensPrompt) or prompt.mm is None:
-            return
-        for uuid in staged:
-            self._staging.release(uuid)
-        self._staging.sweep([img.uuid for img in prompt.mm.images])
-
+    # --- E/P/D: encoder outputs (vllm_epd) -----------------------------------------------------------
     async def encode(self, mm: MultiModalInput, token_ids: list[int], request_id: str, *,
                      cached: bool = True) -> list[tuple[str, bytes]]:
-        """Run the encoder on the images (vLLM's encode-only engine stops each request after it) and
-        read back the file its connector wrote for each.
-
-        Each run names its images ``<id>-<nonce>``: vLLM skips the encoder for an image already in
-        its encoder cache and then writes no file, so a name it has never seen is what makes it
-        write one every time. Repeats are served from this engine's own ``OutputCache`` instead,
-        without a run (when every image of the prompt is in it)."""
-        if self.role != "encode":
+        """Run the encoder on the images; each one's encoder output as ``(image id, bytes)``."""
+        if self._encode_side is None:
             raise BadRequest("this worker is not an encode worker")
-        root = self._ec_root
-        assert root is not None  # an encode engine always has one (vllm_args.ec_transfer_config)
-        self._sweep_orphans(root)
-        uuids = [check_name(u) for u in dict.fromkeys(img.uuid for img in mm.images)]
-        if cached:
-            found = {u: self._outputs.get(u) for u in uuids}
-            if all(found.values()):
-                return [(u, found[u] or b"") for u in uuids]
-        nonce = secrets.token_hex(6)
-        names = {u: f"{u}-{nonce}" for u in uuids}
-        images = [msgspec.structs.replace(img, uuid=names[img.uuid], encoder_output=None) for img in mm.images]
-        prompt = TokensPrompt(token_ids=list(token_ids), mm=msgspec.structs.replace(mm, images=images))
-        finish = None
-        done = False
-        try:
-            async for out in self.generate(prompt, _ENCODE_SAMPLING, request_id):
-                finish = out.finish_reason or finish
-            done = True
-        finally:
-            got = {u: take_output(root, name) for u, name in names.items()}
-            if not done:  # cancelled or failed: the step in flight may still write its files
-                self._orphans.update(dict.fromkeys(names.values(), time.monotonic()))
-        if finish == "abort":
-            raise EncodeFailed(f"encode request {request_id} was aborted")
-        missing = [u for u, data in got.items() if data is None]
-        if missing:
-            raise EncodeFailed(f"the engine wrote no encoder output for image(s) "
-                               f"{', '.join(u[:16] for u in missing)} (finish: {finish})")
-        for u, data in got.items():
-            self._outputs.put(u, data or b"")
-        return [(u, got[u] or b"") for u in uuids]
-
-    def _sweep_orphans(self, root: Path) -> None:
-        now = time.monotonic()
-        for name, since in list(self._orphans.items()):
-            take_output(root, name)
-            if now - since > _ORPHAN_TTL_S:
-                del self._orphans[name]
+        return await self._encode_side.encode(self.generate, mm, token_ids, request_id, cached=cached)
 
     async def encode_probe(self, request_id: str) -> None:
         """One encoder run on a built-in 32x32 image, bypassing the output cache."""
-        if self.role != "encode":
+        if self._encode_side is None:
             raise BadRequest("this worker is not an encode worker")
-        if self._probe is None:
-            self._probe = await asyncio.to_thread(self._probe_prompt)
-        token_ids, mm = self._probe
-        await self.encode(mm, token_ids, request_id, cached=False)
-
-    def _probe_prompt(self) -> tuple[list[int], MultiModalInput]:
-        """The probe's prompt, expanded by vLLM's processor for this model: the placeholder text
-        vLLM itself profiles with, and a 32x32 PNG named by its sha256."""
-        import hashlib
-        import io
-
-        from PIL import Image
-        from vllm.multimodal import MULTIMODAL_REGISTRY
-        from vllm.multimodal.processing.context import TimingContext
-        from vllm.multimodal.processing.inputs import ProcessorInputs
-
-        img = Image.new("RGB", (32, 32))
-        img.putdata([(x * 8, y * 8, (x + y) * 4) for y in range(32) for x in range(32)])
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
-        data = buf.getvalue()
-        uuid = hashlib.sha256(data).hexdigest()
-        proc = MULTIMODAL_REGISTRY.create_processor(self._live().vllm_config.model_config)
-        source = proc.info.get_tokenizer().encode(proc.dummy_inputs.get_dummy_text({"image": 1}),
-                                                  add_special_tokens=False)
-        out: Any = proc.apply(ProcessorInputs(prompt=list(source), mm_data_items=proc.info.parse_mm_data({"image": [img]}),
-                                              mm_uuid_items={"image": [uuid]}), TimingContext(enabled=False))
-        (rng,) = out["mm_placeholders"]["image"]
-        ids = list(out["prompt_token_ids"])
-        return ids, MultiModalInput(images=[ImageInput(uuid=uuid, data=data)], source_ids=list(source),
-                                    prompt_len=len(ids), placeholders=[(int(rng.offset), int(rng.length))])
+        await self._encode_side.probe(self.generate, self._live().vllm_config.model_config, request_id)
 
     # --- control --------------------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:

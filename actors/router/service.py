@@ -14,6 +14,9 @@ Endpoints (JSON without headers works, as ``nats req`` sends it; msgpack by Cont
   ``workers`` defaults to every live worker in the registry (of ``role`` when given). The request's
   load and predicted blocks are *not* booked unless ``book`` is true (a CLI or planner query must
   not leave phantom load behind); a booked request is released with ``finish`` (its ``request_id``).
+  An image prompt routes by its images too: ``mm`` lists ``[image id, offset, length]`` per image,
+  its placeholder range in ``token_ids`` (the expanded prompt; the id is what the engine was given
+  as the image's uuid: the frontend sends the image's sha256).
 * ``Subjects.router("finish")`` — ``{request_id}``: release a booked request's load.
 * ``Subjects.router("index.stats")`` — index, predicted blocks, load and feed counters
   (``ready: false`` and empty views while the router does not exist yet).
@@ -32,6 +35,7 @@ from typing import Any
 import msgspec
 
 from actors.base import Endpoint
+from actors.engines.mm_keys import MmSpan
 from actors.router.feed import KvRouterFeed
 from actors.router.index import KvIndex
 from actors.router.kv_router import KvRouter
@@ -54,6 +58,7 @@ class RouteRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     salt: str | None = None
     request_id: str | None = None
     book: bool = False
+    mm: list[tuple[str, int, int]] | None = None  # [image id, offset, length] per image
 
 
 class FinishRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -119,7 +124,8 @@ class RouterEndpoints:
         workers = self._workers(feed, req)
         rid = req.request_id or f"svc-{secrets.token_hex(6)}"
         decision = router.route(req.token_ids, workers, request_id=rid, lora_name=req.lora_name,
-                                salt=req.salt, block_sizes=feed.block_sizes(), book=req.book)
+                                salt=req.salt, block_sizes=feed.block_sizes(), book=req.book,
+                                mm=_spans(req.mm, len(req.token_ids)))
         self.routed += 1
         out = decision.to_dict()
         out["request_id"] = rid
@@ -157,3 +163,19 @@ class RouterEndpoints:
                                          "last_event_id": index.last_event_id(w),
                                          "num_blocks": index.worker_blocks(w), "blocks": hashes}
         return {"block_size": router.config.block_size, "blocks": len(index), "workers": workers}
+
+
+def _spans(mm: list[tuple[str, int, int]] | None, n_tokens: int) -> list[MmSpan] | None:
+    """A route request's images as the router hashes them: each range inside the prompt, in order,
+    not overlapping (a range the engine could not have placed would only ever miss: say so)."""
+    if not mm:
+        return None
+    end = 0
+    for i, (ident, offset, length) in enumerate(mm):
+        if not ident:
+            raise BadRequest(f"mm[{i}]: the image id is empty")
+        if length < 1 or offset < end or offset + length > n_tokens:
+            raise BadRequest(f"mm[{i}]: placeholder range [{offset}, {offset + length}) is not inside the "
+                             f"prompt's {n_tokens} tokens after the previous image (ends at {end})")
+        end = offset + length
+    return [MmSpan(ident, offset, length) for ident, offset, length in mm]

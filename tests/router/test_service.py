@@ -11,7 +11,7 @@ import pytest
 
 from actors.base import Actor
 from actors.engines.mocker.engine import MockerEngine
-from actors.engines.protocol import SamplingOptions, TokensPrompt
+from actors.engines.protocol import ImageInput, MultiModalInput, SamplingOptions, TokensPrompt
 from actors.frontend.actor import FrontendActor
 from actors.kv import hashing
 from actors.router.kv_router import KvRouter
@@ -24,7 +24,8 @@ from config.topology import FrontendConfig, ModelConfig, PoolConfig
 from tests.helpers import eventually
 
 BS = 4
-ARGS = {"speedup_ratio": 0, "block_size": BS, "num_gpu_blocks": 256, "max_model_len": 256}
+ARGS = {"speedup_ratio": 0, "block_size": BS, "num_gpu_blocks": 256, "max_model_len": 256,
+        "input_modalities": ["text", "image"]}
 MODEL = ModelConfig(name="mock", path="mock")
 
 
@@ -143,3 +144,33 @@ async def test_bad_requests_get_typed_errors(bus: BusContext, setup) -> None:  #
     assert hdrs[S.SERVICE_ERROR_CODE] == "503"  # no prefill worker registered
     reply, hdrs = await call(bus, "route", {"token_ids": [1, 2, 3, 4, 5]})
     assert S.SERVICE_ERROR not in hdrs and reply["instance"] in ("s1", "s2")
+
+
+async def test_an_image_prompt_routes_by_its_images(bus: BusContext, setup) -> None:  # type: ignore[no-untyped-def]
+    """``mm`` on the wire: the same tokens with the image a worker ran hit all its blocks there;
+    another image or none hit only the text block before the image; a range outside the prompt,
+    overlapping or empty is a 400."""
+    fe, engines = setup
+    router = router_of(fe)
+    prompt = list(range(300, 300 + 5 * BS))
+    image_a, image_b = "a" * 64, "b" * 64
+    placeholder = (BS, 2 * BS)  # blocks 1 and 2 hold the image, block 0 is text
+    mm = MultiModalInput(images=[ImageInput(uuid=image_a, data=b"png")], source_ids=prompt[:BS + 1],
+                         prompt_len=len(prompt), placeholders=[placeholder])
+    async for _ in engines["s1"].generate(TokensPrompt(prompt, mm=mm), SamplingOptions(max_tokens=1), "img"):
+        pass
+    spans = [hashing.MmSpan(image_a, *placeholder)]
+    want = hashing.sequence_hashes(prompt, BS, mm=spans)
+    await eventually(lambda: set(want) <= set(router.index.worker_hashes(("s1", 0))))
+
+    reply, hdrs = await call(bus, "route", {"token_ids": prompt, "mm": [[image_a, *placeholder]]})
+    assert S.SERVICE_ERROR not in hdrs, hdrs
+    assert reply["instance"] == "s1" and reply["overlap_blocks"] == 5
+    for other in ({"mm": [[image_b, *placeholder]]}, {}):
+        reply, _ = await call(bus, "route", {"token_ids": prompt, **other})
+        assert max(c["overlap_blocks"] for c in reply["costs"]) == 1, (other, reply)
+
+    for bad in ([["", 4, 8]], [[image_a, 4, 0]], [[image_a, 16, 8]], [[image_a, -1, 4]],
+                [[image_a, 4, 8], [image_b, 8, 4]], [[image_a, 4]], "x"):
+        _, hdrs = await call(bus, "route", {"token_ids": prompt, "mm": bad})
+        assert hdrs.get(S.SERVICE_ERROR_CODE) == "400", (bad, hdrs)
