@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from PIL import Image  # noqa: E402
 
+from actors.engines.mm_keys import MmSpan  # noqa: E402
 from actors.frontend.media import _decode_sync  # noqa: E402
 from actors.frontend.mm_processor import MmProcessor  # noqa: E402
 from actors.kv.hashing import sequence_hashes  # noqa: E402
-from actors.engines.mm_keys import MmSpan  # noqa: E402
 from actors.models.tiny import resolve_model_path  # noqa: E402
 from bench.docs_section import write_section  # noqa: E402
 from config.topology import MediaConfig  # noqa: E402
@@ -93,10 +93,15 @@ def main() -> None:
         med, p90 = timed(lambda spans=spans: sequence_hashes(tokens, BLOCK, mm=spans), args.runs * 20)  # type: ignore[misc]
         rows.append(f"| router hashes, 2,048 tokens, {n} image(s) | {med * 1000:.1f} µs | {p90 * 1000:.1f} µs |")
 
-    cmd = "    .venv/bin/python bench/mm_bench.py " + " ".join(sys.argv[1:])
+    cmd = ("Command: `.venv/bin/python bench/mm_bench.py " + " ".join(sys.argv[1:])).rstrip() + "`"
     body = "\n".join([
-        f"{cmd.rstrip()}", "",
-        f"Model {args.model}; median and p90 of {args.runs} runs (hashes: {args.runs * 20}), one thread.", "",
+        cmd, "",
+        f"Model {args.model}, median and p90 of {args.runs} runs (hashes: {args.runs * 20}), one thread, on "
+        "the shared 2-core box. Noise PNGs, so the file sizes are near the worst case. The frontend "
+        "decodes and expands in a worker thread, not on its event loop. The tiny VLM resizes every "
+        "image to 64 px on its longest edge and tiles it into 32-px tiles (4 tiles and a global view: 33 "
+        "tokens), so expansion mostly costs the resize. A real VLM's processor tiles "
+        "more and costs more.", "",
         "| step | median | p90 |", "|---|---|---|", *rows])
     print(body)
     if args.write:
