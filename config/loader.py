@@ -517,8 +517,6 @@ def _check_planner(t: Topology, fail: Any, token: Any, positive: Any) -> None:
         pp = pl.pools.get(name)
         lo = pl.min_replicas if pp is None or pp.min_replicas is None else pp.min_replicas
         per = pp.engines_per_replica if pp is not None and pp.engines_per_replica else 1
-        # the planner leaves encode pools at their replicas (actors.planner.constraints.planned)
-        scaled = t.pools[name].role != "encode" and (pp is None or pp.managed)
-        floor += per * (lo if scaled else t.pools[name].replicas)
+        floor += per * (lo if pl.scales(name, t.pools[name]) else t.pools[name].replicas)
     if floor > pl.budget:
         fail("planner.budget", f"{pl.budget} engines cannot hold every pool's minimum ({floor} engines)")

@@ -310,6 +310,14 @@ class PlannerConfig(_Strict):
         default_factory=lambda: BackoffConfig(initial=10.0, max=300.0, multiplier=2.0, jitter=0.1))
     pools: dict[str, PlannerPoolConfig] = {}
 
+    def scales(self, name: str, pool: PoolConfig) -> bool:
+        """Whether the planner scales pool ``name``: not when ``planner.pools.<name>.managed =
+        false``, and never an encode pool. Its load is images, which neither the throughput
+        profile (prompt and output tokens) nor the load mode's step fit (TTFT and ITL) measures:
+        it stays at its ``replicas``, reported in every decision and counted against the budget."""
+        pp = self.pools.get(name)
+        return pool.role != "encode" and (pp is None or pp.managed)
+
     def effective_interval(self) -> float:
         if self.interval is not None:
             return self.interval

@@ -173,6 +173,11 @@ def take_output(root: Path, name: str) -> bytes | None:
     return data
 
 
+def drop_output(root: Path, name: str) -> None:
+    """The producer's output directory for ``name`` removed, unread (a cancelled run's)."""
+    shutil.rmtree(root / check_name(name), ignore_errors=True)
+
+
 class OutputCache:
     """Recent encoder outputs by image id, least recently used first out, at most ``max_bytes``
     together (an output larger than that is not kept)."""

@@ -18,6 +18,9 @@ from bus.errors import BadRequest
 
 # encode: the vision encoder only (E/P/D); its outputs feed an agg or prefill worker's engine
 Role = Literal["agg", "prefill", "decode", "encode"]
+# roles whose engines publish no KV events: a decode worker's blocks are never routed to, an
+# encode-only engine has no KV cache
+NO_KV_EVENT_ROLES = frozenset({"decode", "encode"})
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 

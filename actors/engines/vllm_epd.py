@@ -21,7 +21,14 @@ from typing import Any
 
 import msgspec
 
-from actors.engines.ec_staging import ConsumerStaging, OutputCache, check_name, check_output, take_output
+from actors.engines.ec_staging import (
+    ConsumerStaging,
+    OutputCache,
+    check_name,
+    check_output,
+    drop_output,
+    take_output,
+)
 from actors.engines.protocol import (
     EncodeFailed,
     EngineOutput,
@@ -117,15 +124,16 @@ class EncodeSide:
         images = [msgspec.structs.replace(img, uuid=names[img.uuid], encoder_output=None) for img in mm.images]
         prompt = TokensPrompt(token_ids=list(token_ids), mm=msgspec.structs.replace(mm, images=images))
         finish = None
-        done = False
         try:
             async for out in generate(prompt, _ENCODE_SAMPLING, request_id):
                 finish = out.finish_reason or finish
-            done = True
-        finally:
-            got = {u: take_output(self._root, name) for u, name in names.items()}
-            if not done:  # cancelled or failed: the step in flight may still write its files
-                self._orphans.update(dict.fromkeys(names.values(), time.monotonic()))
+        except BaseException:
+            # cancelled or failed: the step in flight may still write its files, swept later too
+            for name in names.values():
+                drop_output(self._root, name)
+            self._orphans.update(dict.fromkeys(names.values(), time.monotonic()))
+            raise
+        got = {u: take_output(self._root, name) for u, name in names.items()}
         if finish == "abort":
             raise EncodeFailed(f"encode request {request_id} was aborted")
         missing = [u for u, data in got.items() if data is None]
@@ -139,7 +147,7 @@ class EncodeSide:
     def _sweep_orphans(self) -> None:
         now = time.monotonic()
         for name, since in list(self._orphans.items()):
-            take_output(self._root, name)
+            drop_output(self._root, name)
             if now - since > _ORPHAN_TTL_S:
                 del self._orphans[name]
 

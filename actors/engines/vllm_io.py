@@ -81,18 +81,16 @@ def mm_prompt(token_ids: list[int], mm: MultiModalInput) -> dict[str, Any]:
     import io
 
     from PIL import Image
-    from vllm.multimodal.image import convert_image_mode, normalize_image
+
+    from actors.engines.image_decode import to_model_rgb
 
     images = []
     for i, item in enumerate(mm.images):
-        # decoded as the frontend's actors.frontend.media decoded it (EXIF orientation, RGB), so
-        # vLLM's processor tiles the image exactly as the frontend's copy did
+        # decoded as the frontend decoded it, so vLLM's processor tiles it as the frontend's copy did
         try:
-            img = normalize_image(Image.open(io.BytesIO(item.data)))
-            img.load()
+            images.append(to_model_rgb(Image.open(io.BytesIO(item.data))))
         except Exception as e:  # noqa: BLE001 - a caller other than our frontend sent a bad file
             raise ValueError(f"image {i} cannot be decoded: {e}") from None
-        images.append(convert_image_mode(img, "RGB"))
     return {"prompt_token_ids": list(mm.source_ids) + list(token_ids[mm.prompt_len:]),
             "multi_modal_data": {"image": images},
             "multi_modal_uuids": {"image": [item.uuid for item in mm.images]}}

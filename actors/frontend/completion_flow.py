@@ -30,16 +30,8 @@ from typing import Any, Protocol
 import msgspec
 
 from actors.engines.protocol import MultiModalInput, SamplingOptions
-from actors.kv.hashing import MmSpan
-from actors.worker.contract import (
-    ChatPrompt,
-    EncodeReply,
-    EncodeRequest,
-    EngineDead,
-    GenerateChunk,
-    GenerateRequest,
-    PrefillResult,
-)
+from actors.kv.hashing import mm_spans
+from actors.worker.contract import ChatPrompt, EngineDead, GenerateChunk, GenerateRequest, PrefillResult
 from bus.errors import (
     ActorError,
     Overloaded,
@@ -50,6 +42,7 @@ from bus.errors import (
 )
 
 from .discovery import ModelEntry, Worker, WorkerSet
+from .encode_step import EncodeLink, encode_images, with_outputs
 from .quarantine import DEATHS_TO_QUARANTINE, Quarantine, fingerprint
 from .routing import Router
 
@@ -73,12 +66,10 @@ class Liveness(Enum):
     UNKNOWN = "unknown"  # no answer in time (busy, or the bus is down): no verdict
 
 
-class WorkerLink(Protocol):
+class WorkerLink(EncodeLink, Protocol):
     """The flow's view of the bus (``actors.frontend.client.WorkerClient``)."""
 
     def stream(self, worker: Worker, req: GenerateRequest) -> WorkerStream: ...
-
-    async def encode(self, worker: Worker, req: EncodeRequest) -> EncodeReply: ...
 
     async def connected(self) -> bool: ...
 
@@ -168,8 +159,7 @@ class CompletionFlow:
         self._fp: str | None = None
         self.state = FlowState(prompt_tokens=len(spec.token_ids) if spec.token_ids else 0)
         # the router hashes an image prompt's blocks with the images' ids, as the engines' KV events do
-        self._mm_spans = ([MmSpan(img.uuid, off, length) for img, (off, length)
-                           in zip(spec.mm.images, spec.mm.placeholders, strict=True)] if spec.mm else None)
+        self._mm_spans = mm_spans(spec.mm)
 
     # --- routing helpers ---------------------------------------------------------------------------
     def _pool(self, role: str) -> list[Worker]:
@@ -180,35 +170,6 @@ class CompletionFlow:
             loaded = [w for w in pool if w.instance in have]
             pool = loaded or pool  # not loaded anywhere yet: any worker (it loads on demand)
         return pool
-
-    async def _encode(self) -> None:
-        """E/P/D: an encode worker runs the vision encoder on the prompt's images, and its outputs go
-        with the request to the prefill (or agg) worker, whose engine loads them instead of encoding.
-        Best effort: when no encode worker can do it, the request goes on without outputs and the
-        prefill/agg engine encodes the images itself (same output, more work there)."""
-        spec = self.spec
-        assert spec.mm is not None
-        failed: set[str] = set()
-        while True:
-            pool = [w for w in self.workers.workers(spec.model.name, "encode") if w.instance not in failed]
-            if not pool or len(failed) > spec.migration_limit:
-                log.warning("request %s: no encode worker could encode its images; the %s worker encodes them",
-                            spec.request_id, "prefill" if spec.model.has_prefill_pool else "serving")
-                return
-            worker = self.router.choose(pool, None, failed, request_id=f"{spec.request_id}-e")
-            try:
-                reply = await self.link.encode(worker, EncodeRequest(
-                    request_id=f"{spec.request_id}-e", token_ids=list(spec.token_ids or []), mm=spec.mm))
-                break
-            except (*MIGRATABLE, Unavailable) as e:
-                failed.add(worker.instance)
-                log.warning("encode on %s failed (%s); trying another encode worker", worker.instance, e)
-            finally:
-                self.router.finished(f"{spec.request_id}-e")
-        outputs = {o.uuid: o.encoder_output for o in reply.outputs}
-        images = [msgspec.structs.replace(img, encoder_output=outputs.get(img.uuid)) for img in spec.mm.images]
-        spec.mm = msgspec.structs.replace(spec.mm, images=images)
-        log.debug("request %s: %d image(s) encoded on %s", spec.request_id, len(outputs), worker.instance)
 
     async def _prefill(self) -> PrefillResult | None:
         """Run the prompt on a prefill worker. A prefill worker that fails is replaced by another
@@ -273,7 +234,10 @@ class CompletionFlow:
         spec, st = self.spec, self.state
         self._check_quarantine()
         if spec.mm is not None and spec.model.has_encode_pool:
-            await self._encode()
+            spec.mm = await encode_images(spec.mm, spec.token_ids or [], model=spec.model,
+                                          request_id=spec.request_id, attempts=spec.migration_limit,
+                                          workers=self.workers, router=self.router, link=self.link,
+                                          retry_on=(*MIGRATABLE, Unavailable))
         prefill = await self._prefill() if spec.model.has_prefill_pool else None
         produced: list[int] = []
         produced_text: list[str] = []
@@ -437,8 +401,7 @@ class CompletionFlow:
         if mm is not None and prefill is not None:
             # the decode worker gets the KV of the images' tokens from the prefill worker: it needs
             # the images only to expand the prompt as the prefill did, not their encoder outputs
-            mm = msgspec.structs.replace(mm, images=[msgspec.structs.replace(i, encoder_output=None)
-                                                     for i in mm.images])
+            mm = with_outputs(mm, {})
         return GenerateRequest(request_id=spec.request_id + suffix, token_ids=token_ids, prompt=prompt,
                                prompt_embeds=spec.prompt_embeds, chat=chat, mm=mm, sampling=sampling,
                                lora_name=spec.lora, prefill_result=prefill)

@@ -25,9 +25,9 @@ from urllib.parse import urlsplit
 import aiohttp
 import pydantic
 from PIL import Image
-from vllm.multimodal.image import convert_image_mode, normalize_image
 from yarl import URL
 
+from actors.engines.image_decode import to_model_rgb
 from actors.worker.lora_urls import parse_allow_entry, shown, url_refusal
 from bus.errors import BadRequest
 from config.topology import MediaConfig
@@ -306,9 +306,7 @@ def _decode_sync(src: bytes | str, where: str, cfg: MediaConfig) -> LoadedImage:
         w, h = img.size
         if w * h > cfg.max_pixels:
             raise _too_many_pixels(where, f"{w}x{h}", cfg)
-        img = normalize_image(img)  # the EXIF orientation: it may swap width and height
-        img.load()
-        img = convert_image_mode(img, "RGB")
+        img = to_model_rgb(img)
     except BadRequest:
         raise
     except Image.DecompressionBombError:  # Pillow's own cap (2 x Image.MAX_IMAGE_PIXELS)

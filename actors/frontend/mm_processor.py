@@ -24,6 +24,7 @@ from typing import Any
 from actors.engines.protocol import ImageInput, MultiModalInput
 from bus.errors import BadRequest
 
+from .built_once import BuiltOnce
 from .media import LoadedImage
 
 log = logging.getLogger(__name__)
@@ -76,24 +77,5 @@ class MmProcessor:
         return Expanded(ids, mm)
 
 
-class MmProcessors:
-    """One MmProcessor per (model path, context length), built on first use (thread-safe: plans of
-    image requests run in worker threads)."""
-
-    def __init__(self) -> None:
-        self._items: dict[tuple[str, int], MmProcessor] = {}
-        self._lock = threading.Lock()
-
-    def get(self, model_path: str, max_model_len: int) -> MmProcessor:
-        key = (model_path, max_model_len)
-        proc = self._items.get(key)
-        if proc is None:
-            with self._lock:
-                proc = self._items.get(key)
-                if proc is None:
-                    log.info("loading vLLM's multimodal processor for %s", model_path)
-                    proc = self._items[key] = MmProcessor(model_path, max_model_len)
-        return proc
-
-
-SHARED = MmProcessors()
+# one per process, keyed by (model dir, context length)
+SHARED: BuiltOnce[tuple[str, int], MmProcessor] = BuiltOnce("vLLM's multimodal processor", lambda k: MmProcessor(*k))

@@ -18,7 +18,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from actors.models.tiny import resolve_model_path
 from bus.errors import ActorError, Overloaded
 from config.topology import FrontendConfig, ModelConfig
 
@@ -138,11 +137,13 @@ class CompletionPipeline:
 
     async def _mm_processor(self, entry: Any) -> MmProcessor:
         """vLLM's processor for the model's files: the topology's path on this host, else the card's."""
-        mc = self.model_config
-        path = mc.path if mc is not None and mc.name == entry.name and mc.path else entry.card.model_path
-        path = resolve_model_path(path)
+        key = (self.preprocessors.model_path(entry), entry.card.context_length)
+        proc = MM_PROCESSORS.peek(key)
+        if proc is not None:
+            return proc
+        path = key[0]
         try:
-            return await asyncio.to_thread(MM_PROCESSORS.get, path, entry.card.context_length)
+            return await asyncio.to_thread(MM_PROCESSORS.get, key)
         except Exception as e:  # noqa: BLE001 - the model's files are not readable here: say so
             log.warning("no multimodal processor for %s: %s", path, e)
             raise Overloaded(f"model {entry.name}: this frontend cannot load its image processor ({e})") from None

@@ -106,8 +106,6 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
     mm: MultiModalInput | None = None
     if chat:
         check_fan_out(n, 1)
-        if images:
-            check_takes_images(entry, pre)
         if pre is None:
             return plan_worker_chat(req, entry, lora, name, body)
         if parsers is not None:
@@ -123,7 +121,7 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
                                tools=tools)
         ids = pre.encode(text, req.add_special_tokens)
         if images:
-            assert mm_proc is not None  # check_takes_images / the pipeline gave one
+            assert mm_proc is not None  # the pipeline gave one, after check_takes_images
             expanded = mm_proc.expand(ids, images)
             ids, mm = expanded.token_ids, expanded.mm
         prompts.append((ids, None))

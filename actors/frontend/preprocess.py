@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from actors.models.tiny import resolve_model_path
 from actors.worker.chat_render import render_chat
 from config.topology import ModelConfig
 
+from .built_once import BuiltOnce
 from .discovery import ModelEntry, WorkerSet
 
 log = logging.getLogger(__name__)
@@ -82,30 +82,8 @@ def tool_dicts(tools: Sequence[BaseModel] | None) -> list[dict[str, Any]] | None
     return None if tools is None else [t.model_dump() for t in tools]
 
 
-class PreprocessorCache:
-    """Preprocessors by (tokenizer path, template file); thread-safe so loads can run off-loop."""
-
-    def __init__(self) -> None:
-        self._items: dict[tuple[str, str | None], Preprocessor] = {}
-        self._lock = threading.Lock()
-
-    def get(self, tokenizer_path: str, chat_template_file: str | None = None) -> Preprocessor:
-        key = (tokenizer_path, chat_template_file)
-        pre = self._items.get(key)
-        if pre is None:
-            with self._lock:
-                pre = self._items.get(key)
-                if pre is None:
-                    log.info("loading tokenizer %s", tokenizer_path)
-                    pre = Preprocessor(tokenizer_path, chat_template_file)
-                    self._items[key] = pre
-        return pre
-
-    def peek(self, tokenizer_path: str, chat_template_file: str | None = None) -> Preprocessor | None:
-        return self._items.get((tokenizer_path, chat_template_file))
-
-
-SHARED = PreprocessorCache()  # one per process: tokenizers are immutable and slow to load
+# one per process: tokenizers are immutable and slow to load; keyed by (tokenizer dir, template file)
+SHARED: BuiltOnce[tuple[str, str | None], Preprocessor] = BuiltOnce("tokenizer", lambda k: Preprocessor(*k))
 
 
 class ModelPreprocessors:
@@ -118,6 +96,13 @@ class ModelPreprocessors:
         self.cache = SHARED
         self._loading: dict[tuple[str, str | None], asyncio.Future[Preprocessor | None]] = {}
         workers.listeners.append(self.warm)
+
+    def model_path(self, entry: ModelEntry) -> str:
+        """The model's directory on this host: the topology's ``model.path`` when the topology names
+        this model, else the card's (a remote worker's path may not exist here)."""
+        mc = self.model_config
+        path = mc.path if mc is not None and mc.name == entry.name and mc.path else entry.card.model_path
+        return resolve_model_path(path)
 
     def _key(self, entry: ModelEntry) -> tuple[str, str | None] | None:
         """(tokenizer dir, template file): the topology's model section wins over the card, since
@@ -139,7 +124,7 @@ class ModelPreprocessors:
         key = self._key(entry)
         if key is None:
             return None
-        pre = self.cache.peek(*key)
+        pre = self.cache.peek(key)
         if pre is not None:
             return pre
         fut = self._loading.get(key)
@@ -149,7 +134,7 @@ class ModelPreprocessors:
 
     async def _load(self, key: tuple[str, str | None]) -> Preprocessor | None:
         try:
-            return await asyncio.to_thread(self.cache.get, *key)
+            return await asyncio.to_thread(self.cache.get, key)
         except Exception as e:  # no usable tokenizer: text mode (the workers tokenize)
             log.warning("cannot load tokenizer %s (%s): text mode only", key[0], e)
             return None
@@ -162,5 +147,5 @@ class ModelPreprocessors:
             return
         for entry in list(self.workers.models.values()):
             key = self._key(entry)
-            if key is not None and key not in self._loading and self.cache.peek(*key) is None:
+            if key is not None and key not in self._loading and self.cache.peek(key) is None:
                 self._loading[key] = loop.create_task(self._load(key))

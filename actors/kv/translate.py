@@ -194,16 +194,17 @@ class KvTranslator:
             parent_seed = self._chain_seed.get(ev.parent_block_hash)
         # Per block: image pairs (any block), then the salt and the unreproducible rest of a
         # prompt's first block go to the seed, those of any other block to that block's hash.
-        extras = [_parse_extras(k, ev.lora_name, first=i == 0 and parent_seq is None)
+        fresh = parent_seq is None  # these blocks start a prompt: its first block is extras[0]
+        extras = [_parse_extras(k, ev.lora_name, first=fresh and i == 0)
                   for i, k in enumerate((ev.extra_keys or [])[:n])]
-        seed = self._seed_for(ev, parent_seed, extras[0] if extras and parent_seq is None else None)
+        seed = self._seed_for(ev, parent_seed, extras[0] if fresh and extras else None)
         bhashes = hashing.block_hashes_seeded(ev.token_ids, bs, seed)
         for i, ex in enumerate(extras):
             if ex is None:
                 continue
             if ex.mm:
                 bhashes[i] = hashing.fold_mm(bhashes[i], ex.mm, seed)
-            if ex.other and (i > 0 or parent_seq is not None):
+            if ex.other and not (fresh and i == 0):
                 bhashes[i] = xxhash.xxh3_64_intdigest(repr(ex.other).encode(), bhashes[i])
         seqs = hashing.chain_hashes(bhashes, seed, parent_seq)
         base_seed = hashing.hash_seed(ev.lora_name, None)

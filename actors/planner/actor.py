@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from actors.base import Actor, Endpoint
 from actors.instances.contract import InstanceRecord
 from actors.instances.watch import BucketWatch, watch_instances
-from actors.planner.constraints import PoolLimits, planned, replica_engines
+from actors.planner.constraints import PoolLimits, replica_engines
 from actors.planner.contract import (
     PLANNER_KIND,
     VERB_DECISIONS,
@@ -70,7 +70,7 @@ def pool_states(cfg: PlannerConfig, pools: Mapping[str, PoolConfig], roots: Mapp
         limits = PoolLimits(pool=name, host=roots.get(name, p.host), min_replicas=lo,
                             max_replicas=pp.max_replicas if pp is not None else None,
                             engines_per_replica=replica_engines(cfg, name, p),
-                            managed=planned(p, pp))
+                            managed=cfg.scales(name, p))
         st = PoolState(limits=limits, role=p.role, engine=p.engine, profile_path=profiles.get(name))
         if cfg.mode == "throughput" and limits.managed:
             st.load_model()

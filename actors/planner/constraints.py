@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from config.topology import PlannerConfig, PlannerPoolConfig, PoolConfig
+from config.topology import PlannerConfig, PoolConfig
 
 
 @dataclass
@@ -48,14 +48,6 @@ def engines_per_replica(pool: PoolConfig) -> int:
             raise ValueError(f"engine_args {key} must be a positive integer (got {v!r})")
         n *= v
     return n
-
-
-def planned(pool: PoolConfig, pp: PlannerPoolConfig | None) -> bool:
-    """Whether the planner scales ``pool``: not when ``planner.pools.<name>.managed = false``, and
-    never an encode pool. Its load is images, which neither the throughput profile (prompt and
-    output tokens) nor the load mode's step fit (TTFT and ITL) measures: it stays at its
-    ``replicas``, reported in every decision and counted against the budget."""
-    return pool.role != "encode" and (pp is None or pp.managed)
 
 
 def replica_engines(planner: PlannerConfig, name: str, pool: PoolConfig) -> int:

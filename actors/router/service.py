@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 
 from actors.base import Endpoint
-from actors.engines.mm_keys import MmSpan
+from actors.kv.hashing import MmSpan
 from actors.router.feed import KvRouterFeed
 from actors.router.index import KvIndex
 from actors.router.kv_router import KvRouter
@@ -58,7 +58,7 @@ class RouteRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     salt: str | None = None
     request_id: str | None = None
     book: bool = False
-    mm: list[tuple[str, int, int]] | None = None  # [image id, offset, length] per image
+    mm: list[MmSpan] | None = None  # [image id, offset, length] per image
 
 
 class FinishRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -165,7 +165,7 @@ class RouterEndpoints:
         return {"block_size": router.config.block_size, "blocks": len(index), "workers": workers}
 
 
-def _spans(mm: list[tuple[str, int, int]] | None, n_tokens: int) -> list[MmSpan] | None:
+def _spans(mm: list[MmSpan] | None, n_tokens: int) -> list[MmSpan] | None:
     """A route request's images as the router hashes them: each range inside the prompt, in order,
     not overlapping (a range the engine could not have placed would only ever miss: say so)."""
     if not mm:
@@ -178,4 +178,4 @@ def _spans(mm: list[tuple[str, int, int]] | None, n_tokens: int) -> list[MmSpan]
             raise BadRequest(f"mm[{i}]: placeholder range [{offset}, {offset + length}) is not inside the "
                              f"prompt's {n_tokens} tokens after the previous image (ends at {end})")
         end = offset + length
-    return [MmSpan(ident, offset, length) for ident, offset, length in mm]
+    return mm

@@ -45,13 +45,13 @@ from actors.worker.contract import (
     StatusReply,
     WakeUpRequest,
 )
-from actors.worker.health import consume_probe, probe_encode_request, probe_request
+from actors.worker.health import probe_worker
 from actors.worker.metrics import WorkerMetrics, load_reports
 from actors.worker.serving import EngineService
 from actors.worker.sleep import SleepController
-from bus import codec, rpc
+from bus import codec
 from bus import subjects as S
-from bus.errors import BadRequest, NotFound, RequestTimeout
+from bus.errors import BadRequest, NotFound
 from bus.registry import Registry
 from bus.rpc import respond
 from bus.stream_responder import StreamCancels
@@ -263,26 +263,13 @@ class EngineActor(Actor):
         if self.service.sleeping:
             return  # registered as "sleeping": not routable, nothing to prove yet
         deadline = self.pool.health.timeout
-        if self.role == "encode":
-            try:
-                await rpc.request(self.bus.nc, self.bus.subjects.worker(self.instance, C.VERB_ENCODE),
-                                  probe_encode_request(0), timeout=deadline, msgpack=True, reply_type=EncodeReply)
-            except RequestTimeout:
-                raise EngineDead(f"engine of {self.instance} encoded no image within {deadline:g}s "
-                                 f"of start") from None
-            log.info("%s: encoder answered its readiness probe; registering", self.instance)
-            return
-        subject = self.bus.subjects.generate_instance(self.pool_name, self.instance)
-        call = rpc.stream_request(self.bus.nc, subject, probe_request(0), stall_timeout=deadline,
-                                  chunk_type=GenerateChunk)
         try:
-            await consume_probe(call, deadline)
+            await probe_worker(self.bus, self.pool_name, self.instance, self.role, 0, deadline)
         except TimeoutError:
-            raise EngineDead(f"engine of {self.instance} produced no token within {deadline:g}s "
-                             f"of start") from None
-        finally:
-            await call.aclose()
-        log.info("%s: engine answered its readiness probe; registering", self.instance)
+            did = "encoded no image" if self.role == "encode" else "produced no token"
+            raise EngineDead(f"engine of {self.instance} {did} within {deadline:g}s of start") from None
+        log.info("%s: %s answered its readiness probe; registering", self.instance,
+                 "encoder" if self.role == "encode" else "engine")
 
     async def kv_sources(self, _req: Any, _h: Mapping[str, str]) -> EngineKvSources:
         eng = self.service.engine

@@ -11,7 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from actors.engines.protocol import Engine
+from actors.engines.protocol import NO_KV_EVENT_ROLES, Engine
 from actors.models.tiny import resolve_model_path
 from bus.addresses import advertised_address, remote_hosts
 from bus.embedded import free_port
@@ -100,12 +100,12 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, 
         return MockerEngine(args, role=pool.role, served_model_name=served, seed=seed)
     from actors.engines.vllm_engine import VllmEngine
 
-    # vLLM takes its KV-event endpoints from its config; decode workers publish none. One DP rank
+    # vLLM takes its KV-event endpoints from its config; decode and encode workers publish none. One DP rank
     # publishes on ipc sockets (no port); several need a tcp base port, because vLLM derives rank
     # r's endpoint as base + r and cannot be told to bind port 0. That port is picked free here and
     # can be taken before vLLM binds it: the engine then fails to start, and its restart picks anew.
     dp = int(args.get("data_parallel_size") or 1)
-    kv_events_port = free_port() if pool.role != "decode" and dp > 1 else None
+    kv_events_port = free_port() if pool.role not in NO_KV_EVENT_ROLES and dp > 1 else None
 
     if model is not None:  # the mocker takes no model path: it has no weights
         args.setdefault("model", model.path)

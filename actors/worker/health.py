@@ -209,6 +209,27 @@ async def consume_probe(chunks: object, deadline: float) -> None:
     await asyncio.wait_for(drain(), deadline)
 
 
+async def probe_worker(bus: BusContext, pool_name: str, instance: str, role: str, n: int, deadline: float) -> None:
+    """One probe through the worker's own routed subject, as a request reaches it: a one-token
+    generate, or for an encode worker the encoding of its built-in image. TimeoutError when it does
+    not finish within ``deadline`` seconds (a hang, not a transport failure: those propagate)."""
+    if role == "encode":
+        try:
+            await rpc.request(bus.nc, bus.subjects.worker(instance, C.VERB_ENCODE), probe_encode_request(n),
+                              timeout=deadline, msgpack=True, reply_type=EncodeReply)
+        except RequestTimeout as e:
+            raise TimeoutError(str(e)) from None
+        return
+    call = rpc.stream_request(bus.nc, bus.subjects.generate_instance(pool_name, instance), probe_request(n),
+                              stall_timeout=deadline, chunk_type=GenerateChunk)
+    try:
+        await consume_probe(call, deadline)
+    except StreamStalled as e:
+        raise TimeoutError(str(e)) from None
+    finally:
+        await call.aclose()
+
+
 class HealthMonitor(Actor):
     """Watches one engine actor over NATS; escalates to the worker supervisor on death or hang."""
 
@@ -261,23 +282,7 @@ class HealthMonitor(Actor):
 
     async def _probe(self, deadline: float) -> None:
         self._n += 1
-        if self.role == "encode":
-            subject = self.bus.subjects.worker(self.engine_instance, C.VERB_ENCODE)
-            try:
-                await rpc.request(self.bus.nc, subject, probe_encode_request(self._n), timeout=deadline,
-                                  msgpack=True, reply_type=EncodeReply)
-            except RequestTimeout as e:  # a hang, not a transport failure (which skips the probe)
-                raise TimeoutError(str(e)) from None
-            return
-        subject = self.bus.subjects.generate_instance(self.pool_name, self.engine_instance)
-        call = rpc.stream_request(self.bus.nc, subject, probe_request(self._n), stall_timeout=deadline,
-                                  chunk_type=GenerateChunk)
-        try:
-            await consume_probe(call, deadline)
-        except StreamStalled as e:
-            raise TimeoutError(str(e)) from None
-        finally:
-            await call.aclose()
+        await probe_worker(self.bus, self.pool_name, self.engine_instance, self.role, self._n, deadline)
 
     async def _escalate(self, reason: str) -> None:
         if self.escalate_subject is None:

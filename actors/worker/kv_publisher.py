@@ -31,7 +31,7 @@ import zmq.asyncio
 
 from actors.base import Actor, Endpoint
 from actors.engines.kv_events import decode_batch, is_replay_end, replay_request
-from actors.engines.protocol import KvEventSource
+from actors.engines.protocol import NO_KV_EVENT_ROLES, KvEventSource
 from actors.kv.contract import (
     KvDumpReply,
     KvDumpRequest,
@@ -296,7 +296,7 @@ def _sample(m: KvPublisherMetrics, name: str) -> int:
 def worker_child(env: WorkerEnv) -> ChildSpec | None:
     """The worker's KV publisher: none for decode workers (their blocks are never routed to) and
     encode workers (an encode-only engine has no KV cache)."""
-    if env.pool.role in ("decode", "encode"):
+    if env.pool.role in NO_KV_EVENT_ROLES:
         return None
     model = env.topology.model.name if env.topology.model else ""
 

@@ -8,6 +8,7 @@ spaces or control characters are refused whatever the list says.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ class _Entry:
     prefix: str | None = None  # prefix entry's path without its trailing "/" ("" = every path)
 
 
+@functools.lru_cache(maxsize=256)  # the same few entries are checked for every fetched URL
 def parse_allow_entry(entry: str) -> _Entry | None:
     """One ``allow_urls`` entry, or None when it is malformed (a malformed entry admits nothing)."""
     entry = entry.strip()

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +17,6 @@ from typing import Any
 
 import msgspec
 
-from actors.engines.limits import LimitError, Limits, check_prompt_ids
 from actors.engines.protocol import EncodeFailed, Engine, EngineDeadError, LoraRef
 from actors.worker.chat_render import ChatSupport
 from actors.worker.contract import (
@@ -36,13 +33,13 @@ from actors.worker.contract import (
     Usage,
     output_to_chunk,
 )
+from actors.worker.engine_errors import is_request_error, message_of, refusal
 from actors.worker.metrics import WorkerMetrics
 from actors.worker.validation import (
     build_prompt,
     check_context,
-    check_mm,
+    check_encode,
     check_sampling,
-    context_length_message,
     kv_params_for,
     role_sampling,
 )
@@ -55,27 +52,6 @@ GENERATE = "generate"
 ENCODE = "encode"
 # Aborts the worker decided on (not the caller): the stream ends with a 503 instead of "abort".
 _MIGRATE_REASONS = {"shutdown": "shutting down", "sleep": "going to sleep"}
-
-
-# Prompt-too-long errors of the engines: vLLM ("The decoder prompt (length N) is longer than the
-# maximum model length ...") and the mocker ("prompt has N tokens; max_model_len is M").
-_TOO_LONG = re.compile(r"prompt \(length (\d+)\) is longer|prompt has (\d+) tokens; max_model_len")
-
-
-def _prompt_len_in(message: str) -> int | None:
-    m = _TOO_LONG.search(message)
-    return int(m.group(1) or m.group(2)) if m else None
-
-
-def _is_request_error(e: Exception) -> bool:
-    """An engine's refusal of the request itself: a ValueError (the mocker, LimitError, older vLLM)
-    or one of vLLM's VLLMClientErrors (VLLMValidationError is not a ValueError). vllm is only loaded
-    where a vLLM engine runs, so it is looked up, never imported (a mocker worker stays without it)."""
-    if isinstance(e, ValueError):
-        return True
-    vllm_exceptions = sys.modules.get("vllm.exceptions")
-    client_error = getattr(vllm_exceptions, "VLLMClientError", None)
-    return client_error is not None and isinstance(e, client_error)
 
 
 @dataclass
@@ -250,13 +226,16 @@ class EngineService:
         last has finish_reason and usage. The engine request is aborted if the consumer stops early
         (cancel, caller gone, shutdown)."""
         prompt, sampling, lora, n_prompt = self._admit(req)
-        rid = self.engine_request_id(req, request_id)
+        act = self._register(self.engine_request_id(req, request_id))
+        return self._stream(req, act, prompt, sampling, lora, n_prompt)
+
+    def _register(self, rid: str) -> _Active:
+        """A request in flight under ``rid`` (cancel, abort_all and the hang check see it)."""
         if rid in self._active:
             raise Conflict(f"request id {rid} is already in flight")
-        act = _Active(rid)
-        self._active[rid] = act
+        act = self._active[rid] = _Active(rid)
         self._last_activity = time.monotonic()
-        return self._stream(req, act, prompt, sampling, lora, n_prompt)
+        return act
 
     def mark_abort(self, request_id: str, reason: str) -> bool:
         act = self._active.get(request_id)
@@ -309,14 +288,9 @@ class EngineService:
         except ActorError:
             raise
         except Exception as e:
-            if not _is_request_error(e):
+            if not is_request_error(e):
                 raise
-            # engines validate text-mode prompts late (they tokenize): keep vLLM's OpenAI wording
-            message = str(e.args[0]) if e.args else str(e)  # vLLM's str() appends "(parameter=..., value=...)"
-            n = _prompt_len_in(message)
-            if n is not None:
-                raise BadRequest(context_length_message(self.max_model_len, n, sampling.max_tokens)) from None
-            raise BadRequest(message, param=getattr(e, "param", None) or getattr(e, "parameter", None)) from None
+            raise refusal(e, self.max_model_len, sampling.max_tokens) from None
         finally:
             self._active.pop(rid, None)
             self._last_activity = time.monotonic()
@@ -330,17 +304,6 @@ class EngineService:
                     log.warning("abort of %s failed: %s", rid, e)
 
     # --- encode (E/P/D) -----------------------------------------------------------------------------
-    def _check_encode(self, req: EncodeRequest) -> None:
-        """An encode request as its generate request will be checked: the images (``check_mm``)
-        and the expanded prompt they lie in (the model's tokens, within its context)."""
-        facts = self.engine.facts
-        try:
-            check_prompt_ids(req.token_ids, Limits.of(facts), "token_ids")
-        except LimitError as e:
-            raise BadRequest(str(e), param=e.param) from None
-        check_mm(req.mm, len(req.token_ids), facts)
-        check_context(self.max_model_len, len(req.token_ids), 1)
-
     async def encode(self, req: EncodeRequest) -> EncodeReply:
         """Run the vision encoder on a prompt's images; one output per distinct image, in prompt
         order. Refusals as for generate (Overloaded while dead, asleep or stopping); a death during
@@ -351,13 +314,9 @@ class EngineService:
                              f"{self.role!r}): send encode requests to an encode pool's workers")
         self._check_accepting()
         if not req.probe:
-            self._check_encode(req)
-        rid = req.request_id or uuid.uuid4().hex
-        if rid in self._active:
-            raise Conflict(f"request id {rid} is already in flight")
-        act = _Active(rid)
-        self._active[rid] = act
-        self._last_activity = time.monotonic()
+            check_encode(req, self.engine.facts, self.max_model_len)
+        act = self._register(req.request_id or uuid.uuid4().hex)
+        rid = act.request_id
         engine = self.engine
         try:
             with self.metrics.track(ENCODE):
@@ -376,9 +335,9 @@ class EngineService:
         except ActorError:
             raise
         except Exception as e:
-            if not _is_request_error(e):
+            if not is_request_error(e):
                 raise
-            raise BadRequest(str(e.args[0]) if e.args else str(e), param="mm") from None
+            raise BadRequest(message_of(e), param="mm") from None
         finally:
             self._active.pop(rid, None)
             self._last_activity = self.last_output = time.monotonic()

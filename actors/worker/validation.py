@@ -22,7 +22,7 @@ from actors.engines.protocol import (
     TextPrompt,
     TokensPrompt,
 )
-from actors.worker.contract import GenerateRequest
+from actors.worker.contract import EncodeRequest, GenerateRequest
 from bus.errors import BadRequest, PayloadTooLarge
 
 
@@ -78,10 +78,7 @@ def build_prompt(req: GenerateRequest, facts: ModelFacts, embeds_enabled: bool) 
     if req.token_ids is not None:
         if not req.token_ids:
             raise BadRequest("token_ids is empty")
-        try:
-            check_prompt_ids(req.token_ids, Limits.of(facts), "token_ids")
-        except LimitError as e:
-            raise BadRequest(str(e), param=e.param) from None
+        _check_ids(req.token_ids, facts)
         mm = check_mm(req.mm, len(req.token_ids), facts) if req.mm is not None else None
         return TokensPrompt(token_ids=list(req.token_ids), mm=mm), len(req.token_ids)
     if req.mm is not None:
@@ -96,6 +93,21 @@ def build_prompt(req: GenerateRequest, facts: ModelFacts, embeds_enabled: bool) 
     tensor = decode_prompt_embeds(req.prompt_embeds or "", facts.hidden_size, facts.max_model_len)
     n = int(tensor.shape[0])
     return EmbedsPrompt(tensor=tensor, num_tokens=n), n
+
+
+def _check_ids(token_ids: list[int], facts: ModelFacts) -> None:
+    try:
+        check_prompt_ids(token_ids, Limits.of(facts), "token_ids")
+    except LimitError as e:
+        raise BadRequest(str(e), param=e.param) from None
+
+
+def check_encode(req: EncodeRequest, facts: ModelFacts, max_model_len: int) -> None:
+    """An encode request as its generate request will be checked: the images (``check_mm``) and
+    the expanded prompt they lie in (the model's tokens, within its context)."""
+    _check_ids(req.token_ids, facts)
+    check_mm(req.mm, len(req.token_ids), facts)
+    check_context(max_model_len, len(req.token_ids), 1)
 
 
 def role_sampling(role: str, sampling: SamplingOptions) -> SamplingOptions:

@@ -193,7 +193,7 @@ def tiny_dir() -> str:
 
 @pytest.fixture(scope="session")
 def text_ids(tiny_dir: str) -> list[int]:
-    return SHARED.get(tiny_dir).encode(TEXT, add_special_tokens=False)
+    return SHARED.get((tiny_dir, None)).encode(TEXT, add_special_tokens=False)
 
 
 @pytest.fixture

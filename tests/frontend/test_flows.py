@@ -110,7 +110,7 @@ async def test_migration_completes_the_stream(deploy: Any, text_ids: list[int]) 
                                         extra_headers={WORKER_HEADER: dying.instance})
     chunks = [ch async for ch in stream]
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
-    pre = deploy.frontend.app.pipeline.preprocessors.cache.peek(deploy.tiny_dir, None)
+    pre = deploy.frontend.app.pipeline.preprocessors.cache.peek((deploy.tiny_dir, None))
     expect = pre.decode([text_ids[(3 + i) % len(text_ids)] for i in range(12)])
     assert text == expect  # one unbroken stream, no token lost or repeated
     assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == 3
@@ -142,7 +142,7 @@ async def test_single_worker_restarted_in_place_continues_the_stream(deploy: Any
     chunks = [ch async for ch in stream]
     back = await restarter
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
-    pre = deploy.frontend.app.pipeline.preprocessors.cache.peek(deploy.tiny_dir, None)
+    pre = deploy.frontend.app.pipeline.preprocessors.cache.peek((deploy.tiny_dir, None))
     assert text == pre.decode([text_ids[(3 + i) % len(text_ids)] for i in range(12)])
     assert chunks[-1].usage.completion_tokens == 12
     assert back.requests and back.requests[-1].sampling.max_tokens == 8  # the rest, on the new incarnation
@@ -257,7 +257,7 @@ async def test_a_lost_stream_is_resent_to_the_same_live_worker(deploy: Any, text
     stream = await client(deploy).completions.create(model=MODEL, prompt=[9, 9, 9], max_tokens=12, stream=True)
     text = "".join([ch.choices[0].text async for ch in stream if ch.choices])
     assert time.monotonic() - t0 < 20  # no migration_wait (30 s) spent
-    pre = deploy.frontend.app.pipeline.preprocessors.cache.peek(deploy.tiny_dir, None)
+    pre = deploy.frontend.app.pipeline.preprocessors.cache.peek((deploy.tiny_dir, None))
     assert text == pre.decode([text_ids[(3 + i) % len(text_ids)] for i in range(12)])
     assert len(w.requests) == 2 and w.requests[-1].sampling.max_tokens == 8  # the rest, same worker
 

@@ -48,7 +48,7 @@ def card(**kw: Any) -> ModelCard:
 
 @pytest.fixture(scope="module")
 def pre(tiny_dir: str) -> Any:
-    return SHARED.get(tiny_dir)
+    return SHARED.get((tiny_dir, None))
 
 
 def plan(body: dict[str, Any], pre: Any, **card_kw: Any) -> Plan:

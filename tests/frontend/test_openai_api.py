@@ -49,7 +49,7 @@ async def test_chat_text_is_the_detokenized_worker_tokens(agg: Any, text_ids: li
     r = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                         max_tokens=6, temperature=0)
     req = agg.workers[0].requests[-1]
-    pre = agg.frontend.app.pipeline.preprocessors.cache.peek(agg.tiny_dir, None)
+    pre = agg.frontend.app.pipeline.preprocessors.cache.peek((agg.tiny_dir, None))
     p = len(req.token_ids)
     produced = [text_ids[(p + i) % len(text_ids)] for i in range(6)]
     assert r.choices[0].message.content == pre.decode(produced)
@@ -97,7 +97,7 @@ async def test_stop_string_across_chunks(agg: Any, text_ids: list[int]) -> None:
     # the worker emits "... three four ..." one token per chunk; "ee fo" spans several tokens
     r = await c.completions.create(model=MODEL, prompt="count:", max_tokens=30, stop=["ee fo"])
     p = len(agg.workers[0].requests[-1].token_ids)
-    full = agg.frontend.app.pipeline.preprocessors.cache.peek(agg.tiny_dir, None).decode(
+    full = agg.frontend.app.pipeline.preprocessors.cache.peek((agg.tiny_dir, None)).decode(
         [text_ids[(p + i) % len(text_ids)] for i in range(30)])
     assert r.choices[0].finish_reason == "stop" and r.choices[0].stop_reason == "ee fo"
     assert r.choices[0].text == full[:full.index("ee fo")]

@@ -22,7 +22,7 @@ TEXT = "Hello world, the stop is here: END and then more text after END. Ünïc�
 
 @pytest.fixture(scope="module")
 def pre(tiny_dir: str) -> Any:
-    return SHARED.get(tiny_dir)
+    return SHARED.get((tiny_dir, None))
 
 
 def reference(text: str, stops: list[str], include: bool) -> str:

@@ -114,7 +114,7 @@ async def test_embedding_rows_give_the_token_prompts_greedy_output(stack: Stack)
     c = stack.client
     ids = ids_of(1, 40)
     want = await engine_greedy(stack, ids, 12)
-    pre = stack.frontend.app.pipeline.preprocessors.cache.peek(stack.worker.service.engine.facts.tokenizer_path, None)
+    pre = stack.frontend.app.pipeline.preprocessors.cache.peek((stack.worker.service.engine.facts.tokenizer_path, None))
     greedy: dict[str, Any] = {"temperature": 0, "max_tokens": 12, "logprobs": 1}
     by_tokens = await c.completions.create(model="tiny", prompt=ids, **greedy, extra_body={"ignore_eos": True})
     tokens = by_tokens.choices[0].logprobs.tokens
