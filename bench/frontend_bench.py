@@ -25,8 +25,12 @@ Where the programs outside this repository are (nothing is assumed about this ma
   ``actors.models.tiny`` builds it (``$VLLM_ACTORS_HOME/models/tiny-llama``).
 - ``wrk`` on ``$PATH``.
 
+``--per-process`` prints each stack's per-process table (CPU per request and per output token of the
+frontend, the workers, the engines, nats-server); ``--profile`` adds py-spy's top frames of each
+Python process (bench/proc_profile.py).
+
 Usage: .venv/bin/python bench/frontend_bench.py --peer-dir DIR [--dynamo-venv DIR] [--rounds 2]
-       [--duration 15] [--json out.json]
+       [--duration 15] [--json out.json] [--per-process | --profile]
 """
 
 from __future__ import annotations
@@ -45,12 +49,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proc_cpu import cmdline, kill_leftovers, own_cpu, tree, tree_cpu  # noqa: E402
+from proc_cpu import kill_leftovers, own_cpu, tree, tree_cpu  # noqa: E402
+from proc_profile import ProcessProfile  # noqa: E402
 
 from actors.models.tiny import tiny_model_dir  # noqa: E402
 from bus.embedded import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+TOKENS = 4  # streamed output tokens per request (chat.lua's MAX_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class Result:
     machine_busy_s: float            # all CPUs, from /proc/stat, during the window
     loadavg_before: str
     per_process_cpu_s: dict[str, float] = field(default_factory=dict)
+    profile_table: str = ""
 
     @property
     def frontend_ms_per_req(self) -> float:
@@ -113,7 +120,7 @@ def wait_up(port: int, procs: list[subprocess.Popen], timeout: float = 180, poll
 
 
 def run_wrk(port: int, seconds: int, conns: int, chat_lua: Path) -> tuple[str, float]:
-    env = dict(os.environ, MAX_TOKENS="4", STREAM="true", MODEL_NAME="tiny")
+    env = dict(os.environ, MAX_TOKENS=str(TOKENS), STREAM="true", MODEL_NAME="tiny")
     cmd = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "-s", str(chat_lua),
            f"http://127.0.0.1:{port}"]
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -143,17 +150,6 @@ def parse_wrk(out: str) -> tuple[int, int, float, float, str]:
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     lat = re.search(r"Latency\s+(\S+)", out)
     return n, errs, secs, rps, lat.group(1) if lat else "?"
-
-
-def classify(pid: int) -> str:
-    c = cmdline(pid)
-    if "nats-server" in c:
-        return "nats-server"
-    if "actors.worker" in c or "dynamo.mocker" in c:
-        return "worker"
-    if "actors.supervisor" in c or "dynamo.frontend" in c:
-        return "frontend"
-    return c.split(" ")[0].rsplit("/", 1)[-1] or "?"
 
 
 class Stack:
@@ -230,7 +226,7 @@ class Dynamo(Stack):
 
 
 def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conns: int,
-            peer: Peer) -> Result:
+            peer: Peer, per_process: bool = False, spy: bool = False) -> Result:
     logdir = Path(tempfile.mkdtemp(prefix=f"fbench-{kind}-{mode}-"))
     if kind == "ours":
         stack: Stack = Ours(mode, workers, logdir)
@@ -247,20 +243,17 @@ def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conn
         if n_w == 0 or e_w:
             raise RuntimeError(f"warm-up failed ({n_w} requests, {e_w} errors):\n{out}")
         time.sleep(1)
-        pids = [q for r in stack.roots() for q in tree(r)]
-        before = {q: own_cpu(q) for q in pids}
         fe0, st0, busy0 = own_cpu(stack.frontend_pid), tree_cpu(*stack.roots()), machine_busy()
         with open("/proc/loadavg") as f:
             load = " ".join(f.read().split()[:3])
-        out, wrk_cpu = run_wrk(stack.port, duration, conns, peer.chat_lua)
+        with ProcessProfile(stack.roots(), spy=spy, out_dir=logdir / "spy") as prof:
+            out, wrk_cpu = run_wrk(stack.port, duration, conns, peer.chat_lua)
         fe1, st1, busy1 = own_cpu(stack.frontend_pid), tree_cpu(*stack.roots()), machine_busy()
-        per: dict[str, float] = {}
-        for q in pids:
-            k = classify(q)
-            per[k] = round(per.get(k, 0.0) + own_cpu(q) - before[q], 3)
+        per = prof.by_role()
         n, errs, secs, rps, lat = parse_wrk(out)
         r = Result(kind, mode, workers, n, errs, secs, rps, lat, fe1 - fe0, st1 - st0, wrk_cpu,
-                   busy1 - busy0, load, per)
+                   busy1 - busy0, load, per,
+                   prof.table(n, n * TOKENS, f"{kind} {mode}, {workers} worker(s)") if per_process else "")
         print(f"[{kind} {mode} x{workers}] {rps:.0f} req/s, {n} req, {errs} errors, lat {lat}, "
               f"frontend {r.frontend_ms_per_req:.2f} ms/req, stack {r.stack_ms_per_req:.2f} ms/req, "
               f"per-process {per}, wrk {wrk_cpu:.1f}s, machine busy {r.machine_busy_s:.1f}s "
@@ -286,6 +279,10 @@ def main() -> None:
     ap.add_argument("--only", choices=["ours", "dynamo"], default=None)
     ap.add_argument("--modes", default="round_robin,kv")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--per-process", action="store_true",
+                    help="print CPU per request and per output token of each process of each stack")
+    ap.add_argument("--profile", action="store_true",
+                    help="--per-process, plus py-spy records of each Python process and their top frames")
     ap.add_argument("--peer-dir", type=Path, default=_env_path("PEER_DIR"),
                     help="the peer kit (chat.lua); default $PEER_DIR")
     ap.add_argument("--dynamo-venv", type=Path, default=_env_path("DYNVV"),
@@ -305,7 +302,8 @@ def main() -> None:
             for kind in ("ours", "dynamo"):
                 if a.only and kind != a.only:
                     continue
-                results.append(measure(kind, mode, workers, a.duration, a.warmup, a.connections, peer))
+                results.append(measure(kind, mode, workers, a.duration, a.warmup, a.connections, peer,
+                                       per_process=a.per_process or a.profile, spy=a.profile))
     print("\n| stack | mode | workers | req/s | errors | frontend CPU ms/req | stack CPU ms/req |"
           " per-process CPU s | machine busy s | load before |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -321,6 +319,9 @@ def main() -> None:
             print(f"{mode}: ours/dynamo req/s {med([r.rps for r in o]) / med([r.rps for r in d]):.2f}, "
                   f"frontend CPU/req {med([r.frontend_ms_per_req for r in o]) / med([r.frontend_ms_per_req for r in d]):.2f}, "
                   f"stack CPU/req {med([r.stack_ms_per_req for r in o]) / med([r.stack_ms_per_req for r in d]):.2f}")
+    for r in results:
+        if r.profile_table:
+            print("\n" + r.profile_table)
     if a.json:
         a.json.write_text(json.dumps([dict(asdict(r), frontend_ms_per_req=r.frontend_ms_per_req,
                                            stack_ms_per_req=r.stack_ms_per_req) for r in results],

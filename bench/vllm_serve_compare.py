@@ -14,8 +14,12 @@ read the server tree's CPU (utime+stime from /proc) around each run, stop it.
 The tiny model's directory (vLLM's --model and the benchmark's tokenizer): ``--model-dir DIR`` or
 ``$MODEL``, default where ``actors.models.tiny`` builds it (``$VLLM_ACTORS_HOME/models/tiny-llama``).
 
+``--per-process`` prints each server process's CPU per request and per output token (frontend,
+worker, EngineCore, nats-server; vLLM's api server and EngineCore); ``--profile`` adds py-spy's top
+frames of each Python process (bench/proc_profile.py).
+
 Usage: .venv/bin/python bench/vllm_serve_compare.py [--concurrency 1,16] [--num-prompts 100]
-       [--model-dir DIR]
+       [--model-dir DIR] [--per-process | --profile]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from frontend_bench import wait_up  # noqa: E402
 from proc_cpu import kill_leftovers, tree, tree_cpu  # noqa: E402
+from proc_profile import ProcessProfile  # noqa: E402
 
 from actors.models.tiny import tiny_model_dir  # noqa: E402
 from bus.embedded import free_port  # noqa: E402
@@ -97,11 +103,19 @@ def run_side(side: str, a: argparse.Namespace, workdir: Path) -> list[dict]:
                 load = " ".join(f.read().split()[:3])
             cpu0 = tree_cpu(proc.pid)
             log = open(workdir / f"bench-{side}-c{conc}.log", "w")
-            subprocess.run(bcmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+            with ProcessProfile([proc.pid], spy=a.profile, out_dir=workdir / f"spy-{side}-c{conc}") as prof:
+                subprocess.run(bcmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
             cpu1 = tree_cpu(proc.pid)
             res = json.loads(out.read_text())
-            row = {"side": side, "concurrency": conc, "load_before": load,
-                   "server_cpu_s": round(cpu1 - cpu0, 2)}
+            row = {"side": side, "concurrency": conc, "load_before": load, "output_len": a.output_len,
+                   "server_cpu_s": round(cpu1 - cpu0, 2), "per_process_cpu_s": prof.by_role(),
+                   "total_output_tokens": res.get("total_output_tokens")}
+            if a.profile or a.per_process:
+                # the warm-ups run inside the window too: count them with the measured requests
+                n_req = (res.get("completed") or 0) + 2
+                n_tok = (res.get("total_output_tokens") or 0) + 2 * a.output_len
+                row["profile_table"] = prof.table(n_req, n_tok, f"{side}, concurrency {conc}")
+                print(row["profile_table"], file=sys.stderr)
             for k in ("completed", "failed", "duration", "request_throughput", "output_throughput",
                       "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
                       "median_tpot_ms", "median_e2el_ms"):
@@ -116,6 +130,15 @@ def run_side(side: str, a: argparse.Namespace, workdir: Path) -> list[dict]:
     return rows
 
 
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+def cpu_per_token(r: dict) -> float:
+    """Server CPU ms per output token (the warm-up requests' tokens included: they ran in the window)."""
+    return 1e3 * r["server_cpu_s"] / max(1, (r.get("total_output_tokens") or 0) + 2 * r.get("output_len", 0))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16])
@@ -127,28 +150,47 @@ def main() -> None:
     ap.add_argument("--endpoint", default="/v1/completions")
     ap.add_argument("--sides", default="ours,vllm")
     ap.add_argument("--print-cmd", action="store_true")
+    ap.add_argument("--per-process", action="store_true",
+                    help="print CPU per request and per output token of each server process")
+    ap.add_argument("--profile", action="store_true",
+                    help="--per-process, plus py-spy records of each Python process and their top frames")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("MODEL") or tiny_model_dir()),
                     help="the tiny model's directory; default $MODEL, else the project's build")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the sides this many times, alternating, and report medians per side")
     a = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="vllm-serve-compare-"))
     print(f"logs and raw results in {workdir}", file=sys.stderr)
-    rows = [r for side in a.sides.split(",") for r in run_side(side, a, workdir)]
-    print("| side | conc | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
-          " TPOT p50 ms | server CPU s | ok/failed | load before |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for rep in range(a.repeats):
+        for side in a.sides.split(","):
+            rep_dir = workdir / f"r{rep}"
+            rep_dir.mkdir(exist_ok=True)
+            rows += [dict(r, repeat=rep) for r in run_side(side, a, rep_dir)]
+    print("| run | side | conc | req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |"
+          " TPOT p50 ms | server CPU s | CPU ms / output token | ok/failed | load before |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['side']} | {r['concurrency']} | {r['request_throughput']:.2f} | "
+        print(f"| {r['repeat']} | {r['side']} | {r['concurrency']} | {r['request_throughput']:.2f} | "
               f"{r['output_throughput']:.0f} | {r['median_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} | "
               f"{r['median_itl_ms']:.2f} | {r['p99_itl_ms']:.2f} | {r['median_tpot_ms']:.2f} | "
-              f"{r['server_cpu_s']} | {r['completed']}/{r['failed']} | {r['load_before']} |")
+              f"{r['server_cpu_s']} | {cpu_per_token(r):.3f} | {r['completed']}/{r['failed']} | {r['load_before']} |")
+    print()
     for conc in a.concurrency:
-        o = next((r for r in rows if r["side"] == "ours" and r["concurrency"] == conc), None)
-        v = next((r for r in rows if r["side"] == "vllm" and r["concurrency"] == conc), None)
+        o = [r for r in rows if r["side"] == "ours" and r["concurrency"] == conc]
+        v = [r for r in rows if r["side"] == "vllm" and r["concurrency"] == conc]
         if o and v:
-            print(f"c={conc}: throughput ours/vllm {o['output_throughput'] / v['output_throughput']:.3f}, "
-                  f"TTFT p50 diff {o['median_ttft_ms'] - v['median_ttft_ms']:+.1f} ms, "
-                  f"ITL p50 diff {o['median_itl_ms'] - v['median_itl_ms']:+.2f} ms")
+            print(f"c={conc} (medians of {len(o)} / {len(v)} runs): throughput ours/vllm "
+                  f"{median(o, 'output_throughput') / median(v, 'output_throughput'):.3f}, "
+                  f"TTFT p50 diff {median(o, 'median_ttft_ms') - median(v, 'median_ttft_ms'):+.1f} ms, "
+                  f"ITL p50 diff {median(o, 'median_itl_ms') - median(v, 'median_itl_ms'):+.2f} ms, "
+                  f"ITL p99 ratio {median(o, 'p99_itl_ms') / median(v, 'p99_itl_ms'):.2f}, "
+                  f"server CPU per output token ratio "
+                  f"{statistics.median(map(cpu_per_token, o)) / statistics.median(map(cpu_per_token, v)):.3f}")
+    for r in rows:
+        if "profile_table" in r:
+            print("\n" + r["profile_table"])
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
 
