@@ -8,6 +8,9 @@ Protocol (all control in headers, payload is only the chunk):
   (``Stream-Control: hb``, ``Seq`` = chunks sent so far); it ends with ``Stream-Control: eos`` and
   ``Seq`` = n + 1 (so a lost last chunk is a gap too), or with an error message carrying
   ``Nats-Service-Error``/``-Code``. Its first message carries ``Instance-Id`` and ``Cancel-Subject``.
+- the caller says ``Stream-Batch: 1``: what several of its streams got from one responder connection
+  in one loop turn (an engine step) may arrive as one batch message (``bus.stream_batch``), whose
+  pieces are exactly the messages above;
 - caller turns a 503 status (no responders), a Seq gap and silence longer than the stall timeout into
   Unavailable, StreamGap and StreamStalled; if it stops early it publishes ``Request-Id`` to the
   responder's ``Cancel-Subject``.
@@ -34,6 +37,7 @@ import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -41,6 +45,7 @@ from nats.aio.msg import Msg
 from bus import codec
 from bus import subjects as S
 from bus.errors import RemoteError, ResponderGone, StreamGap, StreamStalled, Unavailable
+from bus.stream_batch import BATCH_DECODER, Piece
 from bus.tasks import honouring_cancel
 from bus.wire import (
     DEFAULT_STALL,
@@ -94,6 +99,7 @@ class StreamCall:
             hdrs.update(headers)
         hdrs[S.REQUEST_ID] = self.request_id
         hdrs[S.STALL_TIMEOUT] = f"{stall:g}"
+        hdrs[S.STREAM_BATCH] = "1"  # this inbox takes batched stream messages (bus.stream_batch)
         mux = _inbox_mux(nc)
         if not mux.ready:
             await asyncio.shield(mux.started)
@@ -121,37 +127,49 @@ class StreamCall:
                     raise StreamStalled(f"stream on {self.subject} stalled: nothing for {stall:g}s "
                                         f"after seq {self.received}")
                 last = loop.time()
-                if msg.reply and responder is None:
-                    responder = msg.reply
-                h = msg.headers or {}
-                if self.instance is None and S.INSTANCE_ID in h:
-                    self.instance = h[S.INSTANCE_ID]
-                if self.cancel_subject is None and S.CANCEL_SUBJECT in h:
-                    self.cancel_subject = h[S.CANCEL_SUBJECT]
-                if h.get(STATUS) == NO_RESPONDERS:
-                    finished = True
-                    raise Unavailable(f"no responders on {self.subject}")
-                if S.SERVICE_ERROR in h or S.SERVICE_ERROR_CODE in h:
-                    finished = True
-                    raise_if_error(h)
-                seq_s = h.get(S.SEQ)
-                ctl = h.get(S.STREAM_CONTROL)
+                if type(msg) is Piece:  # one stream message of a batch (bus.stream_batch)
+                    reply: str | None = msg.gone
+                    h = msg.headers or _NO_HEADERS
+                    seq: int | str | None = msg.seq
+                    ctl = msg.ctl
+                    data = msg.data
+                    ct_headers = _MSGPACK if msg.msgpack else _JSON
+                else:
+                    reply = msg.reply
+                    h = msg.headers or _NO_HEADERS
+                    seq = h.get(S.SEQ)
+                    ctl = h.get(S.STREAM_CONTROL)
+                    data = msg.data
+                    ct_headers = h
+                    if h.get(STATUS) == NO_RESPONDERS:
+                        finished = True
+                        raise Unavailable(f"no responders on {self.subject}")
+                if reply and responder is None:
+                    responder = reply
+                if h is not _NO_HEADERS:
+                    if self.instance is None and S.INSTANCE_ID in h:
+                        self.instance = h[S.INSTANCE_ID]
+                    if self.cancel_subject is None and S.CANCEL_SUBJECT in h:
+                        self.cancel_subject = h[S.CANCEL_SUBJECT]
+                    if S.SERVICE_ERROR in h or S.SERVICE_ERROR_CODE in h:
+                        finished = True
+                        raise_if_error(h)
                 if ctl is not None:
-                    if seq_s is not None:
+                    if seq is not None:
                         expect = self.received + 1 if ctl == S.EOS else self.received
-                        if int(seq_s) != expect:
-                            raise StreamGap(f"stream on {self.subject}: {ctl} at seq {seq_s}, "
+                        if _seq(seq, self.subject) != expect:
+                            raise StreamGap(f"stream on {self.subject}: {ctl} at seq {seq}, "
                                             f"received {self.received} chunks")
                     if ctl == S.EOS:
                         finished = True
                         return
                     continue  # heartbeat
-                if seq_s is None:
+                if seq is None:
                     raise RemoteError(f"stream on {self.subject}: chunk without {S.SEQ} header", 502)
-                if int(seq_s) != self.received + 1:
-                    raise StreamGap(f"stream on {self.subject}: got seq {seq_s}, expected {self.received + 1}")
+                if _seq(seq, self.subject) != self.received + 1:
+                    raise StreamGap(f"stream on {self.subject}: got seq {seq}, expected {self.received + 1}")
                 self.received += 1
-                yield decode_payload(msg.data, h, chunk_type)
+                yield decode_payload(data, ct_headers, chunk_type)
         finally:
             if not finished and self.cancel_subject and not nc.is_closed:
                 try:
@@ -161,6 +179,18 @@ class StreamCall:
             mux.close(inbox)
 
 
+_NO_HEADERS: dict[str, str] = {}
+_MSGPACK = {S.CONTENT_TYPE: S.CT_MSGPACK}
+_JSON = {S.CONTENT_TYPE: S.CT_JSON}
+
+
+def _seq(value: int | str, subject: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise RemoteError(f"stream on {subject}: bad {S.SEQ} {str(value)[:32]!r}", 502) from None
+
+
 class _CallInbox:
     """Messages of one stream call, filled by the mux; ``get`` is a future plus a timer (cheaper
     than nats-py's ``next_msg``, which makes a task, a uuid4 and a ``wait_for`` per message)."""
@@ -168,17 +198,17 @@ class _CallInbox:
     __slots__ = ("msgs", "waiter", "closed")
 
     def __init__(self) -> None:
-        self.msgs: collections.deque[Msg | None] = collections.deque()
+        self.msgs: collections.deque[Msg | Piece | None] = collections.deque()
         self.waiter: asyncio.Future[None] | None = None
         self.closed = False  # the connection closed: get() raises ConnectionClosedError
 
-    def put(self, msg: Msg | None) -> None:
+    def put(self, msg: Msg | Piece | None) -> None:
         self.msgs.append(msg)
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def get(self, timeout: float) -> Msg | None:
+    async def get(self, timeout: float) -> Msg | Piece | None:
         """The next message, or None after ``timeout`` seconds without one."""
         if not self.msgs:
             loop = asyncio.get_running_loop()
@@ -245,11 +275,29 @@ class _InboxMux:
         self.calls.pop(inbox[len(self.prefix):], None)
 
     async def _on_msg(self, msg: Msg) -> None:
-        box = self.calls.get(msg.subject[len(self.prefix):])
+        token = msg.subject[len(self.prefix):]
+        box = self.calls.get(token)
         if box is not None:
             box.put(msg)
+        elif token == S.BATCH_TOKEN:
+            await self._on_batch(msg)
         elif msg.reply and not msg._client.is_closed:
             await msg._client.publish(msg.reply, b"", headers={S.STREAM_CONTROL: S.GONE})
+
+    async def _on_batch(self, msg: Msg) -> None:
+        try:
+            pieces = BATCH_DECODER.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            # not from a responder of ours: its streams (if any) see a gap or a stall
+            log.warning("undecodable stream batch on %s (%d bytes): %s", msg.subject, len(msg.data), e)
+            return
+        calls = self.calls
+        for piece in pieces:
+            box = calls.get(piece.token)
+            if box is not None:
+                box.put(piece)
+            elif piece.gone and not msg._client.is_closed:
+                await msg._client.publish(piece.gone, b"", headers={S.STREAM_CONTROL: S.GONE})
 
 
 _inbox_muxes: weakref.WeakKeyDictionary[Client, _InboxMux] = weakref.WeakKeyDictionary()

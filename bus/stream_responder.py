@@ -18,19 +18,25 @@ from bus import codec
 from bus import subjects as S
 from bus.connection import settling
 from bus.errors import ActorError, BadRequest
+from bus.stream_batch import Outbox, Piece, plain_headers
 from bus.wire import DEFAULT_STALL, HEARTBEAT_FRACTION, NO_RESPONDERS, STATUS, encode_payload, error_headers
 
 log = logging.getLogger(__name__)
 
 
 class _GoneMux:
-    """One wildcard subscription per connection collecting 'no responders' for stream replies."""
+    """One wildcard subscription per connection collecting 'no responders' for stream replies, and
+    the connection's ``Outbox`` of batched stream messages (``bus.stream_batch``)."""
 
     def __init__(self, nc: Client) -> None:
         self.prefix = nc.new_inbox()
         self.waiters: dict[str, asyncio.Event] = {}
         self._n = 0
         self._ready = asyncio.ensure_future(self._subscribe(nc))
+        self.outbox = Outbox(nc, self.caller_reply)
+        # batching callers: inbox prefix -> (the reply subject of its batches, its streams' subjects)
+        self._callers: dict[str, tuple[str, set[str]]] = {}
+        self._caller_of: dict[str, str] = {}  # batch reply subject -> inbox prefix
 
     async def _subscribe(self, nc: Client) -> None:
         await nc.subscribe(self.prefix + ".*", cb=self._on_msg)
@@ -40,6 +46,15 @@ class _GoneMux:
         if h and h.get(STATUS) == NO_RESPONDERS and settling(msg._client):
             # right after a bus restart the caller may not have re-subscribed its inbox yet: keep
             # streaming; what it missed shows up as a gap and it re-sends the rest
+            return
+        caller = self._caller_of.get(msg.subject)
+        if caller is not None:
+            # a batch found no subscriber: the caller's process is gone, and so is every stream of it
+            if h and h.get(STATUS) == NO_RESPONDERS:
+                for subject in self._callers[caller][1]:
+                    ev = self.waiters.get(subject)
+                    if ev is not None:
+                        ev.set()
             return
         if h and (h.get(STATUS) == NO_RESPONDERS or h.get(S.STREAM_CONTROL) == S.GONE):
             ev = self.waiters.get(msg.subject)
@@ -58,6 +73,27 @@ class _GoneMux:
         ev = asyncio.Event()
         self.waiters[subject] = ev
         return subject, ev
+
+    def caller_reply(self, caller: str) -> str:
+        return self._callers[caller][0]
+
+    def join(self, caller: str, subject: str) -> None:
+        """A batching stream (reply subject ``subject``) of the caller with inbox prefix ``caller``."""
+        entry = self._callers.get(caller)
+        if entry is None:
+            self._n += 1
+            entry = self._callers[caller] = (f"{self.prefix}.c{self._n}", set())
+            self._caller_of[entry[0]] = caller
+        entry[1].add(subject)
+
+    def leave(self, caller: str, subject: str) -> None:
+        entry = self._callers.get(caller)
+        if entry is None:
+            return
+        entry[1].discard(subject)
+        if not entry[1]:
+            del self._callers[caller]
+            del self._caller_of[entry[0]]
 
 
 _muxes: weakref.WeakKeyDictionary[Client, _GoneMux] = weakref.WeakKeyDictionary()
@@ -98,45 +134,53 @@ async def respond_stream(nc: Client, msg: Msg, chunks: AsyncIterator[Any], *,
         return None
     mp = codec.is_msgpack(msg.headers) if msgpack is None else msgpack
     hb = heartbeat_interval(msg, heartbeat)
-    gone_subject, gone = await _mux(nc).register()
+    mux = _mux(nc)
+    gone_subject, gone = await mux.register()
     first: dict[str, str] = {}
     if instance:
         first[S.INSTANCE_ID] = instance
     if cancel_subject:
         first[S.CANCEL_SUBJECT] = cancel_subject
-    ct = S.CT_MSGPACK if mp else S.CT_JSON
+    caller, _, token = reply.rpartition(".")
+    batching = bool(caller) and (msg.headers or {}).get(S.STREAM_BATCH) == "1"
+    if batching:
+        mux.join(caller, gone_subject)
     state = {"seq": 0, "last": time.monotonic(), "first": True}
 
-    async def send(data: bytes, h: dict[str, str]) -> None:
+    async def send(data: bytes, seq: int, ctl: str | None = None, extra: dict[str, str] | None = None) -> None:
         if state["first"]:
-            h.update(first)
+            extra = {**first, **(extra or {})} if first else extra
             state["first"] = False
-        await nc.publish(reply, data, reply=gone_subject, headers=h)
+        piece = Piece(token, seq, gone_subject, data, ctl, extra or None, mp)
+        if batching:
+            mux.outbox.put(reply, piece)
+        else:
+            await nc.publish(reply, data, reply=gone_subject, headers=plain_headers(piece))
         state["last"] = time.monotonic()
 
     async def produce() -> BaseException | None:
         try:
             async for chunk in chunks:
                 state["seq"] += 1
-                await send(encode_payload(chunk, mp), {S.CONTENT_TYPE: ct, S.SEQ: str(state["seq"])})
-            await send(b"", {S.STREAM_CONTROL: S.EOS, S.SEQ: str(state["seq"] + 1)})
+                await send(encode_payload(chunk, mp), state["seq"])
+            await send(b"", state["seq"] + 1, S.EOS)
             return None
         except ActorError as e:
-            await send(b"", error_headers(e, {S.SEQ: str(state["seq"] + 1)}))
+            await send(b"", state["seq"] + 1, extra=error_headers(e))
             return e
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as e:
             log.exception("stream on %s failed", msg.subject)
             err = ActorError(f"internal error: {type(e).__name__}: {e}")
-            await send(b"", error_headers(err, {S.SEQ: str(state["seq"] + 1)}))
+            await send(b"", state["seq"] + 1, extra=error_headers(err))
             return e
 
     async def beat() -> None:
         while True:
             await asyncio.sleep(hb)
             if time.monotonic() - state["last"] >= hb * 0.9:
-                await send(b"", {S.STREAM_CONTROL: S.HEARTBEAT, S.SEQ: str(state["seq"])})
+                await send(b"", state["seq"], S.HEARTBEAT)
 
     producer = asyncio.ensure_future(produce())
     beater = asyncio.ensure_future(beat())
@@ -144,6 +188,8 @@ async def respond_stream(nc: Client, msg: Msg, chunks: AsyncIterator[Any], *,
     try:
         await asyncio.wait({producer, gone_wait}, return_when=asyncio.FIRST_COMPLETED)
         if producer.done():
+            if batching:
+                await mux.outbox.drained()  # the last message leaves before the handler is done
             return producer.result()
         log.info("stream on %s: caller gone after %d chunks; aborting", msg.subject, state["seq"])
         return None
@@ -154,9 +200,9 @@ async def respond_stream(nc: Client, msg: Msg, chunks: AsyncIterator[Any], *,
             await asyncio.gather(producer, return_exceptions=True)
         await asyncio.gather(beater, gone_wait, return_exceptions=True)
         await _aclose(chunks)
-        mux = _muxes.get(nc)
-        if mux is not None:
-            mux.waiters.pop(gone_subject, None)
+        mux.waiters.pop(gone_subject, None)
+        if batching:
+            mux.leave(caller, gone_subject)
 
 
 async def _aclose(chunks: Any) -> None:

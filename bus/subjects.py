@@ -29,6 +29,15 @@ ERROR_KIND = "Error-Kind"  # our own: the error's kind, so the caller rebuilds i
 INSTANCE_ID = "Instance-Id"
 # Stall bound the caller will apply; the worker heartbeats at a fraction of it.
 STALL_TIMEOUT = "Stall-Timeout"
+# On a stream request: "1" = the caller's inbox also takes batches (``bus.stream_batch``), on
+# ``<reply prefix>.batch``. On a batch message: how many stream messages it carries.
+STREAM_BATCH = "Stream-Batch"
+BATCH_TOKEN = "batch"
+
+
+def stream_batch_subject(reply: str) -> str:
+    """Where the batches for the caller of ``reply`` (``<caller inbox prefix>.<call token>``) go."""
+    return reply.rpartition(".")[0] + "." + BATCH_TOKEN
 
 # JetStream's account info request: answered once JetStream is available (a cluster: a meta leader)
 JS_API_INFO = "$JS.API.INFO"
