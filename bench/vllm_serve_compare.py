@@ -50,7 +50,9 @@ VLLM_ARGS = ["--max-model-len", "1024", "--block-size", "32", "--dtype", "bfloat
              "--enforce-eager", "--kv-cache-memory-bytes", "268435456"]
 
 
-def server_cmd(side: str, port: int, workdir: Path, model_dir: Path) -> list[str]:
+def server_cmd(side: str, port: int, workdir: Path, model_dir: Path,
+               variants: dict[str, list[str]] | None = None) -> list[str]:
+    """``side``: "vllm", "ours", or "ours+NAME" for ours with the ``--variant NAME=...`` overrides."""
     if side == "vllm":
         return [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS]
@@ -58,7 +60,8 @@ def server_cmd(side: str, port: int, workdir: Path, model_dir: Path) -> list[str
             "--set", f"bus.port={free_port()}", "--set", f"frontend.http=127.0.0.1:{port}",
             "--set", f"namespace=vsc{os.getpid()}", "--set", f"run_dir={workdir / 'run'}",
             "--set", f"pools.agg.status_port={free_port()}",
-            "--set", "pools.agg.engine_args.enable_lora=false", "--log-level", "WARNING"]
+            "--set", "pools.agg.engine_args.enable_lora=false", "--log-level", "WARNING",
+            *[arg for kv in (variants or {}).get(side.partition("+")[2], []) for arg in ("--set", kv)]]
 
 
 def bench_cmd(port: int, conc: int, n: int, a: argparse.Namespace, out: Path) -> list[str]:
@@ -87,7 +90,7 @@ def stop(proc: subprocess.Popen, grace: float = 30) -> None:
 
 def run_side(side: str, a: argparse.Namespace, workdir: Path) -> list[dict]:
     port = free_port()
-    cmd = server_cmd(side, port, workdir, a.model_dir)
+    cmd = server_cmd(side, port, workdir, a.model_dir, a.variants)
     print(f"[{side}] {' '.join(cmd)}", file=sys.stderr)
     env = dict(os.environ, **ENGINE_ENV)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(workdir / f"{side}.log", "w"),
@@ -157,9 +160,12 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--model-dir", type=Path, default=Path(os.environ.get("MODEL") or tiny_model_dir()),
                     help="the tiny model's directory; default $MODEL, else the project's build")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[;KEY=VALUE]",
+                    help="a side 'ours+NAME' of --sides: ours with these --set overrides (A/B in one run)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the sides this many times, alternating, and report medians per side")
     a = ap.parse_args()
+    a.variants = {v.partition("=")[0]: v.partition("=")[2].split(";") for v in a.variant}
     workdir = Path(tempfile.mkdtemp(prefix="vllm-serve-compare-"))
     print(f"logs and raw results in {workdir}", file=sys.stderr)
     rows = []
@@ -178,10 +184,12 @@ def main() -> None:
               f"{r['server_cpu_s']} | {cpu_per_token(r):.3f} | {r['completed']}/{r['failed']} | {r['load_before']} |")
     print()
     for conc in a.concurrency:
-        o = [r for r in rows if r["side"] == "ours" and r["concurrency"] == conc]
         v = [r for r in rows if r["side"] == "vllm" and r["concurrency"] == conc]
-        if o and v:
-            print(f"c={conc} (medians of {len(o)} / {len(v)} runs): throughput ours/vllm "
+        for side in dict.fromkeys(r["side"] for r in rows if r["side"] != "vllm"):
+            o = [r for r in rows if r["side"] == side and r["concurrency"] == conc]
+            if not (o and v):
+                continue
+            print(f"c={conc} (medians of {len(o)} / {len(v)} runs): throughput {side}/vllm "
                   f"{median(o, 'output_throughput') / median(v, 'output_throughput'):.3f}, "
                   f"TTFT p50 diff {median(o, 'median_ttft_ms') - median(v, 'median_ttft_ms'):+.1f} ms, "
                   f"ITL p50 diff {median(o, 'median_itl_ms') - median(v, 'median_itl_ms'):+.2f} ms, "

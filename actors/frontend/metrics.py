@@ -4,6 +4,7 @@ the planner's per-window observations (``observations.Observations``), which tra
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -13,6 +14,23 @@ from .observations import Observations
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _TOK = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class ModelSeries:
+    """The per-model children of ``FrontendMetrics``' series (see ``FrontendMetrics.model``)."""
+
+    def __init__(self, m: FrontendMetrics, name: str) -> None:
+        self.queued = m.queued.labels(name)
+        self.inflight = m.inflight.labels(name)
+        self.duration = m.duration.labels(name)
+        self.ttft = m.ttft.labels(name)
+        self.itl = m.itl.labels(name)
+        self.input_tokens = m.input_tokens.labels(name)
+        self.output_tokens = m.output_tokens.labels(name)
+        self.cached_tokens = m.cached_tokens.labels(name)
+        self.migrations = m.migrations.labels(name)
+        self.quarantined = m.quarantined.labels(name)
+        self.name = name
 
 
 class FrontendMetrics:
@@ -65,6 +83,23 @@ class FrontendMetrics:
                                      registry=r)
         self.http_malformed = Counter(f"{p}_http_malformed_requests",
                                       "Requests refused by the HTTP parser (400)", registry=r)
+
+        self._models: dict[str, ModelSeries] = {}
+        self._requests: dict[tuple[str, str, int], Any] = {}
+
+    def model(self, name: str) -> ModelSeries:
+        """One model's label children, resolved once: a ``labels()`` lookup takes a lock and builds
+        a tuple key, and a request made about fifteen of them."""
+        series = self._models.get(name)
+        if series is None:
+            series = self._models[name] = ModelSeries(self, name)
+        return series
+
+    def request_done(self, endpoint: str, model: str, status: int) -> None:
+        child = self._requests.get((endpoint, model, status))
+        if child is None:
+            child = self._requests[(endpoint, model, status)] = self.requests.labels(endpoint, model, str(status))
+        child.inc()
 
     def render(self) -> bytes:
         # plus the default registry: the process and Python collectors prometheus_client puts there

@@ -26,7 +26,7 @@ from .completion_flow import FlowDeps, WorkerLink
 from .discovery import WorkerSet
 from .http_guard import read_body
 from .media import has_media, load_images, malformed_allow_urls, media_session
-from .metrics import FrontendMetrics
+from .metrics import FrontendMetrics, ModelSeries
 from .mm_processor import SHARED as MM_PROCESSORS
 from .mm_processor import MmProcessor
 from .openai_io import check_request_template, encode_json, parse_chat, parse_completion
@@ -74,15 +74,15 @@ class CompletionPipeline:
         m = self.metrics
         endpoint = "chat" if chat else "completions"
         body = await read_body(request, self.config.body_timeout, self.config.max_body_bytes, m)
-        label = "unknown"
+        series: ModelSeries | None = None  # the model's series, once the request names one that exists
         status = 500
         try:
             req = parse_chat(body) if chat else parse_completion(body)
             if chat:
                 check_request_template(req.chat_template, self.config.trust_request_chat_template)
             entry, lora, name = resolve(self.workers, req.model, self.expected)
-            label = entry.name
-            m.queued.labels(label).inc()
+            series = m.model(entry.name)
+            series.queued.inc()
             try:
                 pre = await self.preprocessors.get(entry)
                 parsers = self._model_parsers(entry.name, pre) if chat else None
@@ -91,37 +91,38 @@ class CompletionPipeline:
                 else:
                     plan = plan_request(req, entry, lora, name, pre, body, parsers)
             finally:
-                m.queued.labels(label).dec()
+                series.queued.dec()
             choices = self._choices(plan, target=request.headers.get(WORKER_HEADER))
             for c in choices:  # each choice is one engine request the planner sees
                 c.obs = m.observations.start(t0)
             for ids, _ in plan.prompts:
                 if ids is not None:
-                    m.input_tokens.labels(label).observe(len(ids))
+                    series.input_tokens.observe(len(ids))
             out = ResponseBuilder(plan, choices)
-            m.inflight.labels(label).inc()
+            series.inflight.inc()
             try:
                 resp = await (self._stream(request, out, t0) if plan.stream else self._complete(out, t0))
             finally:
-                m.inflight.labels(label).dec()
+                series.inflight.dec()
             status = resp.status
             for c in choices:
-                m.output_tokens.labels(label).observe(c.flow.state.completion_tokens)
+                series.output_tokens.observe(c.flow.state.completion_tokens)
                 if c.flow.state.cached_tokens:
-                    m.cached_tokens.labels(label).inc(c.flow.state.cached_tokens)
-            m.duration.labels(label).observe(time.perf_counter() - t0)
+                    series.cached_tokens.inc(c.flow.state.cached_tokens)
+            series.duration.observe(time.perf_counter() - t0)
             return resp
         except ActorError as e:
             status = e.code
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             status = 499
+            label = series.name if series is not None else "unknown"
             m.disconnects.labels(label).inc()
             m.cancellations.labels(label).inc()
             log.info("client disconnected from %s request; worker request cancelled", endpoint)
             raise
         finally:
-            m.requests.labels(endpoint, label, str(status)).inc()
+            m.request_done(endpoint, series.name if series is not None else "unknown", status)
 
     async def _plan_with_images(self, req: Any, entry: Any, lora: str | None, name: str,
                                 pre: Preprocessor | None, body: bytes, parsers: ModelParsers | None) -> Plan:
@@ -164,23 +165,24 @@ class CompletionPipeline:
     def _choices(self, plan: Plan, target: str | None) -> list[Choice]:
         """The plan's flows, under the topology's migration settings for its model (the card's
         when this frontend's topology does not name the model)."""
-        entry, label = plan.entry, plan.entry.name
+        entry = plan.entry
+        series = self.metrics.model(entry.name)
         mc = self.model_config if self.model_config and self.model_config.name == entry.name else None
         return build_choices(
             plan, self.deps, target=target,
             allow_decode_only=mc.allow_decode_only if mc is not None else True,
             migration_limit=mc.migration_limit if mc is not None else entry.card.migration_limit,
-            on_migrate=self.metrics.migrations.labels(label).inc,
-            on_quarantine=self.metrics.quarantined.labels(label).inc,
+            on_migrate=series.migrations.inc,
+            on_quarantine=series.quarantined.inc,
             migration_wait=mc.migration_wait if mc is not None else 60.0)
 
     async def _stream(self, request: web.Request, out: ResponseBuilder, t0: float) -> web.StreamResponse:
-        m, label = self.metrics, out.plan.entry.name
+        series = self.metrics.model(out.plan.entry.name)
         async with merged(out.choices) as arrivals:
             first = await anext(arrivals, None)  # errors before any output get a real HTTP status
             t_first = time.perf_counter()
-            m.ttft.labels(label).observe(t_first - t0)
-            itl = m.itl.labels(label)  # bound once: a labels() lookup per chunk is a lock and a dict
+            series.ttft.observe(t_first - t0)
+            itl = series.itl
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                **out.headers()})
             try:
@@ -216,6 +218,6 @@ class CompletionPipeline:
             async for c, chunk in arrivals:
                 if first:
                     first = False
-                    self.metrics.ttft.labels(out.plan.entry.name).observe(time.perf_counter() - t0)
+                    self.metrics.model(out.plan.entry.name).ttft.observe(time.perf_counter() - t0)
                 out.feed(c, chunk)
         return web.Response(body=encode_json(out.body()), content_type="application/json", headers=out.headers())

@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -45,6 +46,8 @@ class WorkerMetrics:
         self.in_flight = Gauge("worker_requests_in_flight", "Requests being handled", base, registry=r)
         self.cancellations = Counter("worker_cancellations", "Requests aborted before finishing",
                                      [*base, "reason"], registry=r)
+        self._by_endpoint: dict[str, tuple[Any, Any]] = {}
+        self._by_status: dict[tuple[str, str], Any] = {}
         kv = ["instance", "model", "dp_rank"]
         self.kv_total = Gauge("worker_kv_total_blocks", "KV cache blocks in the pool", kv, registry=r)
         self.kv_usage = Gauge("worker_kv_usage", "KV cache usage fraction (0..1)", kv, registry=r)
@@ -57,11 +60,26 @@ class WorkerMetrics:
     def _labels(self, endpoint: str) -> dict[str, str]:
         return {"instance": self.instance, "model": self.model, "endpoint": endpoint}
 
+    def _children(self, endpoint: str) -> tuple[Any, Any]:
+        """(in flight, duration) of an endpoint, resolved once: ``labels()`` takes a lock and builds a
+        key, and every generate request used to make four such lookups."""
+        pair = self._by_endpoint.get(endpoint)
+        if pair is None:
+            labels = self._labels(endpoint)
+            pair = self._by_endpoint[endpoint] = (self.in_flight.labels(**labels), self.duration.labels(**labels))
+        return pair
+
+    def _count(self, endpoint: str, status: str) -> None:
+        child = self._by_status.get((endpoint, status))
+        if child is None:
+            child = self._by_status[(endpoint, status)] = self.requests.labels(**self._labels(endpoint), status=status)
+        child.inc()
+
     @contextmanager
     def track(self, endpoint: str) -> Iterator[None]:
         """Count one request: in-flight while inside, duration and status on exit."""
-        labels = self._labels(endpoint)
-        self.in_flight.labels(**labels).inc()
+        in_flight, duration = self._children(endpoint)
+        in_flight.inc()
         t0 = time.monotonic()
         status = "ok"
         try:
@@ -73,9 +91,9 @@ class WorkerMetrics:
             status = type(e).__name__
             raise
         finally:
-            self.in_flight.labels(**labels).dec()
-            self.duration.labels(**labels).observe(time.monotonic() - t0)
-            self.requests.labels(**labels, status=status).inc()
+            in_flight.dec()
+            duration.observe(time.monotonic() - t0)
+            self._count(endpoint, status)
 
     def cancelled(self, endpoint: str, reason: str) -> None:
         """reason: "cancel" (explicit), "caller_gone", "shutdown", "engine_dead", "sleep"."""

@@ -86,13 +86,23 @@ ChildFactory = Callable[[WorkerEnv], ChildSpec | None]
 ENGINE_DEPENDANTS: tuple[ChildFactory, ...] = (kv_publisher.worker_child, lora_actor.worker_child)
 
 
-def cpu_slot(t: Topology, pool_name: str, replica: int) -> int:
-    """This worker's index among all engine workers of its host (pools in file order)."""
-    host = t.pools[pool_name].host
+def cpu_slot(t: Topology, pool_name: str, replica: int) -> int | None:
+    """This worker's index among the vLLM engine workers of its host (pools in file order), which
+    pins its EngineCore to one core; None when it is the host's only vLLM engine.
+
+    Pinning keeps several engines off each other's core (vLLM's own CPU binding puts every engine
+    on core 0). A lone engine gains nothing from it and loses the other cores: pinned to core 0
+    beside the frontend, nats-server and its worker's bus side, the tiny model served 0.83x of
+    ``vllm serve``'s throughput at 16 streams; unpinned, as ``vllm serve`` runs it, 0.99x
+    (docs/benchmarks.md, "Speed I")."""
+    pool = t.pools[pool_name]
+    if pool.engine != "vllm":
+        return None
+    engines = [(name, p) for name, p in t.pools.items() if p.host == pool.host and p.engine == "vllm"]
+    if sum(p.replicas for _, p in engines) <= 1 and replica == 0:
+        return None
     index = 0
-    for name, p in t.pools.items():
-        if p.host != host:
-            continue
+    for name, p in engines:
         if name == pool_name:
             return index + replica
         index += p.replicas
