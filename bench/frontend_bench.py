@@ -40,6 +40,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,7 @@ class Peer:
     chat_lua: Path  # the peer kit's wrk script
     dynamo_venv: Path | None  # None: only our stack runs
     model_dir: Path
+    baseline: Path | None = None  # another checkout of ours, measured as stack "base"
 
 
 @dataclass
@@ -177,18 +179,22 @@ class Stack:
 
 
 class Ours(Stack):
-    def __init__(self, mode: str, workers: int, logdir: Path) -> None:
+    """Our stack from this checkout, or from ``tree`` (another checkout of the project, e.g. a
+    ``git worktree`` of the commit before a change: ``--baseline DIR``), with this checkout's venv."""
+
+    def __init__(self, mode: str, workers: int, logdir: Path, tree: Path = ROOT) -> None:
         self.port = free_port()
         bus = free_port()
         ns = f"fb{os.getpid()}{mode[:2]}"
         cmd = [str(ROOT / ".venv/bin/python"), "-m", "actors.supervisor",
-               str(ROOT / "topologies/mocker-agg.toml"), "--set", f"bus.port={bus}",
+               str(tree / "topologies/mocker-agg.toml"), "--set", f"bus.port={bus}",
                "--set", f"frontend.http=127.0.0.1:{self.port}", "--set", f"frontend.router={mode}",
                "--set", f"namespace={ns}", "--set", f"run_dir={logdir / 'run'}",
                "--set", f"pools.agg.replicas={workers}", "--log-level", "WARNING"]
         self.cmd = cmd
         log = open(logdir / "ours.log", "w")
-        self.procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)]
+        env = dict(os.environ, PYTHONPATH=str(tree))  # its packages, not the venv's editable install
+        self.procs = [subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)]
         self.frontend_pid = self.procs[0].pid
 
 
@@ -230,6 +236,9 @@ def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conn
     logdir = Path(tempfile.mkdtemp(prefix=f"fbench-{kind}-{mode}-"))
     if kind == "ours":
         stack: Stack = Ours(mode, workers, logdir)
+    elif kind == "base":
+        assert peer.baseline is not None
+        stack = Ours(mode, workers, logdir, tree=peer.baseline)
     else:
         assert peer.dynamo_venv is not None  # main() refuses to run Dynamo without it
         stack = Dynamo({"round_robin": "round-robin"}.get(mode, mode), workers, logdir,
@@ -281,6 +290,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--per-process", action="store_true",
                     help="print CPU per request and per output token of each process of each stack")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another checkout of this project (git worktree add DIR COMMIT), run as stack "
+                         "'base' before ours in every round: what a change bought, in the same run")
     ap.add_argument("--profile", action="store_true",
                     help="--per-process, plus py-spy records of each Python process and their top frames")
     ap.add_argument("--peer-dir", type=Path, default=_env_path("PEER_DIR"),
@@ -294,13 +306,14 @@ def main() -> None:
         ap.error("where is the peer kit? give --peer-dir or set PEER_DIR")
     if a.only != "ours" and a.dynamo_venv is None:
         ap.error("where is Dynamo's venv? give --dynamo-venv or set DYNVV (or run --only ours)")
-    peer = Peer(a.peer_dir / "chat.lua", a.dynamo_venv, a.model_dir)
+    peer = Peer(a.peer_dir / "chat.lua", a.dynamo_venv, a.model_dir, a.baseline)
     results: list[Result] = []
     for _ in range(a.rounds):
         for mode in a.modes.split(","):
             workers = a.kv_workers if mode == "kv" else a.rr_workers
-            for kind in ("ours", "dynamo"):
-                if a.only and kind != a.only:
+            for kind in ("base", "ours", "dynamo"):
+                if (a.only and kind != a.only and not (kind == "base" and a.only == "ours")
+                        or kind == "base" and a.baseline is None):
                     continue
                 results.append(measure(kind, mode, workers, a.duration, a.warmup, a.connections, peer,
                                        per_process=a.per_process or a.profile, spy=a.profile))
@@ -312,13 +325,15 @@ def main() -> None:
               f"{r.frontend_ms_per_req:.2f} | {r.stack_ms_per_req:.2f} | {r.per_process_cpu_s} | "
               f"{r.machine_busy_s:.1f} / {2 * r.seconds:.0f} | {r.loadavg_before} |")
     for mode in a.modes.split(","):
-        o = [r for r in results if r.stack == "ours" and r.mode == mode]
-        d = [r for r in results if r.stack == "dynamo" and r.mode == mode]
-        if o and d:
-            med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-            print(f"{mode}: ours/dynamo req/s {med([r.rps for r in o]) / med([r.rps for r in d]):.2f}, "
-                  f"frontend CPU/req {med([r.frontend_ms_per_req for r in o]) / med([r.frontend_ms_per_req for r in d]):.2f}, "
-                  f"stack CPU/req {med([r.stack_ms_per_req for r in o]) / med([r.stack_ms_per_req for r in d]):.2f}")
+        med = lambda xs: statistics.median(xs)  # noqa: E731
+        for side, ref in (("ours", "dynamo"), ("ours", "base"), ("base", "dynamo")):
+            o = [r for r in results if r.stack == side and r.mode == mode]
+            d = [r for r in results if r.stack == ref and r.mode == mode]
+            if o and d:
+                print(f"{mode} (medians of {len(o)} / {len(d)}): {side}/{ref} req/s "
+                      f"{med([r.rps for r in o]) / med([r.rps for r in d]):.2f}, "
+                      f"frontend CPU/req {med([r.frontend_ms_per_req for r in o]) / med([r.frontend_ms_per_req for r in d]):.2f}, "
+                      f"stack CPU/req {med([r.stack_ms_per_req for r in o]) / med([r.stack_ms_per_req for r in d]):.2f}")
     for r in results:
         if r.profile_table:
             print("\n" + r.profile_table)

@@ -51,12 +51,13 @@ VLLM_ARGS = ["--max-model-len", "1024", "--block-size", "32", "--dtype", "bfloat
 
 
 def server_cmd(side: str, port: int, workdir: Path, model_dir: Path,
-               variants: dict[str, list[str]] | None = None) -> list[str]:
-    """``side``: "vllm", "ours", or "ours+NAME" for ours with the ``--variant NAME=...`` overrides."""
+               variants: dict[str, list[str]] | None = None, tree: Path = ROOT) -> list[str]:
+    """``side``: "vllm", "ours" (from ``tree``), or "ours+NAME" for ours with the ``--variant NAME=...``
+    overrides."""
     if side == "vllm":
         return [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                 "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS]
-    return [PY, "-m", "actors.supervisor", str(ROOT / "topologies/agg.toml"),
+    return [PY, "-m", "actors.supervisor", str(tree / "topologies/agg.toml"),
             "--set", f"bus.port={free_port()}", "--set", f"frontend.http=127.0.0.1:{port}",
             "--set", f"namespace=vsc{os.getpid()}", "--set", f"run_dir={workdir / 'run'}",
             "--set", f"pools.agg.status_port={free_port()}",
@@ -90,10 +91,13 @@ def stop(proc: subprocess.Popen, grace: float = 30) -> None:
 
 def run_side(side: str, a: argparse.Namespace, workdir: Path) -> list[dict]:
     port = free_port()
-    cmd = server_cmd(side, port, workdir, a.model_dir, a.variants)
+    tree = a.baseline if side == "base" and a.baseline else ROOT
+    cmd = server_cmd(side, port, workdir, a.model_dir, a.variants, tree)
     print(f"[{side}] {' '.join(cmd)}", file=sys.stderr)
     env = dict(os.environ, **ENGINE_ENV)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(workdir / f"{side}.log", "w"),
+    if tree != ROOT:
+        env["PYTHONPATH"] = str(tree)  # its packages, not the venv's editable install
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=open(workdir / f"{side}.log", "w"),
                             stderr=subprocess.STDOUT)
     rows = []
     try:
@@ -162,6 +166,9 @@ def main() -> None:
                     help="the tiny model's directory; default $MODEL, else the project's build")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME=KEY=VALUE[;KEY=VALUE]",
                     help="a side 'ours+NAME' of --sides: ours with these --set overrides (A/B in one run)")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another checkout of this project (git worktree add DIR COMMIT): the side 'base' "
+                         "of --sides runs ours from it")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run the sides this many times, alternating, and report medians per side")
     a = ap.parse_args()

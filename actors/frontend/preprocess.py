@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,10 +33,14 @@ class Preprocessor:
     def __init__(self, tokenizer_path: str, chat_template_file: str | None = None) -> None:
         from transformers import AutoTokenizer  # heavy import: only when a model appears
 
+        # one prompt at a time: rayon's thread pool only adds a hand-off (a 100-token prompt took
+        # 78 µs with it off, 86-96 µs on); the operator's own setting wins
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.path = tokenizer_path
         self.hf = AutoTokenizer.from_pretrained(tokenizer_path)
         # The Rust tokenizer: encode/decode without the Python wrapper's per-call overhead.
         self.backend = getattr(self.hf, "backend_tokenizer", None) or self.hf._tokenizer
+        self._encode_fast = getattr(self.backend, "encode_batch_fast", None) or self.backend.encode_batch
         template = None
         if chat_template_file:
             template = Path(chat_template_file).read_text()
@@ -56,7 +61,9 @@ class Preprocessor:
                            template_kwargs=template_kwargs, tools=tools)
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # the "fast" batch call skips the character offsets nobody here reads: the same ids in
+        # 58 instead of 78 µs for a 100-token prompt (tokenizers 0.23)
+        return self._encode_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)

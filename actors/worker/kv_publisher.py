@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 _MSGPACK_HEADERS = {S.CONTENT_TYPE: S.CT_MSGPACK}
 
 
+DRAIN_MAX = 64  # ZMQ messages read per wake-up of a rank's loop
+
+
 class _RankFeed:
     """ZMQ side of one DP rank: SUB socket, replay requests, seq bookkeeping."""
 
@@ -76,6 +79,9 @@ class _RankFeed:
         self.sub.setsockopt(zmq.RCVHWM, 100_000)
         self.sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         self.sub.connect(source.endpoint)
+        # the same socket without the asyncio wrapper: once poll() said a batch is there, the rest of
+        # what arrived is read without a future and an event registration per message
+        self.sub_now = zmq.Socket.shadow(self.sub.underlying)
 
     def close(self) -> None:
         self.sub.close(linger=0)
@@ -204,8 +210,12 @@ class KvPublisherActor(Actor):
                     # Idle: a dropped last batch shows no later seq; ask the replay for anything newer.
                     await self._replay(rank, quiet=True)
                     continue
-                frames = await rank.sub.recv_multipart()
-                await self._on_frames(rank, frames)
+                for _ in range(DRAIN_MAX):  # bounded: a burst must not hold the loop (heartbeats, streams)
+                    try:
+                        frames = rank.sub_now.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    await self._on_frames(rank, frames)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a broken socket is a crash: the worker supervisor restarts us
