@@ -185,10 +185,11 @@ class CompletionPipeline:
             itl = series.itl
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                **out.headers()})
+            # SSE frames ready at the same moment leave in one write (one syscall, one chunk): the
+            # role frame with the first token, the last token with the closing frames and [DONE]
+            pending: list[bytes] = list(out.sse_start())
             try:
                 await resp.prepare(request)
-                for frame in out.sse_start():
-                    await resp.write(frame)
                 item: Arrival | None = first
                 last = t_first
                 while item is not None:
@@ -197,19 +198,22 @@ class CompletionPipeline:
                     if delta is not None:
                         frame = out.sse_piece(c, chunk, delta)
                         if frame is not None:
-                            await resp.write(frame)
+                            pending.append(frame)
                         t = time.perf_counter()
                         if item is not first and chunk.token_ids:
                             itl.observe((t - last) / len(chunk.token_ids))
                         last = t
+                    if pending and not all(ch.finish_reason is not None for ch in out.choices):
+                        # a choice still runs: what is ready goes now, never waiting for more
+                        await resp.write(pending[0] if len(pending) == 1 else b"".join(pending))
+                        pending.clear()
                     item = await anext(arrivals, None)
-                for frame in out.sse_end():
-                    await resp.write(frame)
+                pending.extend(out.sse_end())
             except ActorError as e:
                 log.warning("stream %s failed after headers: %s", out.plan.request_id, e)
-                await resp.write(out.sse_error(e))
-        await resp.write(SSE_DONE)
-        await resp.write_eof()
+                pending.append(out.sse_error(e))
+        pending.append(SSE_DONE)
+        await resp.write_eof(b"".join(pending))
         return resp
 
     async def _complete(self, out: ResponseBuilder, t0: float) -> web.Response:
