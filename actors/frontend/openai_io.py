@@ -70,6 +70,11 @@ def _early_read_error(body: bytes) -> BadRequest | None:
     for name, types in _READ_EARLY.items():
         if name in data and not isinstance(data[name], types):
             return BadRequest(f"{name}: Input should be {_TYPE_WORDS[types[0]]}", param=name)
+    # vLLM's message normalizer runs list() over each message's tool_calls before pydantic checks it
+    for i, msg in enumerate(data.get("messages") or []):
+        calls = msg.get("tool_calls") if isinstance(msg, dict) else None
+        if isinstance(calls, int | float | bool):
+            return BadRequest(f"messages.{i}.tool_calls: Input should be iterable", param="messages")
     return None
 
 

@@ -26,6 +26,9 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("malformed-json", CHAT, b"{not json", 400, None),
     ("messages-missing", CHAT, {"model": MODEL}, 400, "messages"),
     ("messages-empty", CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
+    # vLLM's message normalizer runs list() over it before pydantic looks: a TypeError, a 500 before
+    ("tool-calls-not-iterable", CHAT, {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": True}]},
+     400, "tool_calls"),
     ("unknown-model", CHAT, {"model": "nope", "messages": MSG}, 404, "nope"),
     ("temperature-negative", CHAT, {"model": MODEL, "messages": MSG, "temperature": -1}, 400, "temperature"),
     ("top-p-zero", CHAT, {"model": MODEL, "messages": MSG, "top_p": 0}, 400, "top_p"),
