@@ -8,7 +8,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from nats.aio.client import Client
@@ -30,7 +30,7 @@ class _GoneMux:
 
     def __init__(self, nc: Client) -> None:
         self.prefix = nc.new_inbox()
-        self.waiters: dict[str, asyncio.Event] = {}
+        self.waiters: dict[str, Callable[[], None]] = {}  # a stream's reply subject -> its "gone" callback
         self._n = 0
         self._ready = asyncio.ensure_future(self._subscribe(nc))
         self.outbox = Outbox(nc, self.caller_reply)
@@ -51,28 +51,27 @@ class _GoneMux:
         if caller is not None:
             # a batch found no subscriber: the caller's process is gone, and so is every stream of it
             if h and h.get(STATUS) == NO_RESPONDERS:
-                for subject in self._callers[caller][1]:
-                    ev = self.waiters.get(subject)
-                    if ev is not None:
-                        ev.set()
+                for subject in list(self._callers[caller][1]):
+                    on_gone = self.waiters.get(subject)
+                    if on_gone is not None:
+                        on_gone()
             return
         if h and (h.get(STATUS) == NO_RESPONDERS or h.get(S.STREAM_CONTROL) == S.GONE):
-            ev = self.waiters.get(msg.subject)
-            if ev is not None:
-                ev.set()
+            on_gone = self.waiters.get(msg.subject)
+            if on_gone is not None:
+                on_gone()
         elif msg.reply:
             # a caller's liveness probe: this process is here; say whether that stream still is
             # (one this process dropped would otherwise leave its caller waiting a whole stall timeout)
             gone = None if msg.subject in self.waiters else {S.STREAM_CONTROL: S.GONE}
             await msg._client.publish(msg.reply, b"", headers=gone)
 
-    async def register(self) -> tuple[str, asyncio.Event]:
+    async def register(self, on_gone: Callable[[], None]) -> str:
         await asyncio.shield(self._ready)
         self._n += 1
         subject = f"{self.prefix}.{self._n}"
-        ev = asyncio.Event()
-        self.waiters[subject] = ev
-        return subject, ev
+        self.waiters[subject] = on_gone
+        return subject
 
     def caller_reply(self, caller: str) -> str:
         return self._callers[caller][0]
@@ -135,7 +134,18 @@ async def respond_stream(nc: Client, msg: Msg, chunks: AsyncIterator[Any], *,
     mp = codec.is_msgpack(msg.headers) if msgpack is None else msgpack
     hb = heartbeat_interval(msg, heartbeat)
     mux = _mux(nc)
-    gone_subject, gone = await mux.register()
+    # One task per stream, the caller's: the chunks are produced here, a heartbeat is a timer, and
+    # a caller found gone cancels this task (three tasks and an asyncio.wait per request before)
+    task = asyncio.current_task()
+    assert task is not None
+    state = {"seq": 0, "last": time.monotonic(), "first": True, "gone": False, "ending": False}
+
+    def on_gone() -> None:
+        if not state["gone"] and not state["ending"]:
+            state["gone"] = True
+            task.cancel()
+
+    gone_subject = await mux.register(on_gone)
     first: dict[str, str] = {}
     if instance:
         first[S.INSTANCE_ID] = instance
@@ -145,18 +155,20 @@ async def respond_stream(nc: Client, msg: Msg, chunks: AsyncIterator[Any], *,
     batching = bool(caller) and (msg.headers or {}).get(S.STREAM_BATCH) == "1"
     if batching:
         mux.join(caller, gone_subject)
-    state = {"seq": 0, "last": time.monotonic(), "first": True}
 
-    async def send(data: bytes, seq: int, ctl: str | None = None, extra: dict[str, str] | None = None) -> None:
+    def piece(data: bytes, seq: int, ctl: str | None, extra: dict[str, str] | None) -> Piece:
         if state["first"]:
             extra = {**first, **(extra or {})} if first else extra
             state["first"] = False
-        piece = Piece(token, seq, gone_subject, data, ctl, extra or None, mp)
-        if batching:
-            mux.outbox.put(reply, piece)
-        else:
-            await nc.publish(reply, data, reply=gone_subject, headers=plain_headers(piece))
         state["last"] = time.monotonic()
+        return Piece(token, seq, gone_subject, data, ctl, extra or None, mp)
+
+    async def send(data: bytes, seq: int, ctl: str | None = None, extra: dict[str, str] | None = None) -> None:
+        p = piece(data, seq, ctl, extra)
+        if batching:
+            mux.outbox.put(reply, p)
+        else:
+            await nc.publish(reply, data, reply=gone_subject, headers=plain_headers(p))
 
     async def produce() -> BaseException | None:
         try:
@@ -176,33 +188,51 @@ async def respond_stream(nc: Client, msg: Msg, chunks: AsyncIterator[Any], *,
             await send(b"", state["seq"] + 1, extra=error_headers(err))
             return e
 
-    async def beat() -> None:
-        while True:
-            await asyncio.sleep(hb)
-            if time.monotonic() - state["last"] >= hb * 0.9:
-                await send(b"", state["seq"], S.HEARTBEAT)
+    loop = asyncio.get_running_loop()
+    beats: list[asyncio.Future[None]] = []
 
-    producer = asyncio.ensure_future(produce())
-    beater = asyncio.ensure_future(beat())
-    gone_wait = asyncio.ensure_future(gone.wait())
+    def beat() -> None:
+        timer[0] = loop.call_later(hb, beat)
+        if time.monotonic() - state["last"] < hb * 0.9 or nc.is_closed:
+            return
+        if batching:
+            mux.outbox.put(reply, piece(b"", state["seq"], S.HEARTBEAT, None))
+        else:
+            f = asyncio.ensure_future(send(b"", state["seq"], S.HEARTBEAT))
+            beats.append(f)
+            f.add_done_callback(_forget_beat(beats))
+
+    timer = [loop.call_later(hb, beat)]
     try:
-        await asyncio.wait({producer, gone_wait}, return_when=asyncio.FIRST_COMPLETED)
-        if producer.done():
-            if batching:
-                await mux.outbox.drained()  # the last message leaves before the handler is done
-            return producer.result()
+        result = await produce()
+        state["ending"] = True
+        if batching:
+            await mux.outbox.drained()  # the last message leaves before the handler is done
+        return result
+    except asyncio.CancelledError:
+        if not state["gone"]:
+            raise  # the caller's cancel, a shutdown: not ours to swallow
+        task.uncancel()
         log.info("stream on %s: caller gone after %d chunks; aborting", msg.subject, state["seq"])
         return None
     finally:
-        for t in (beater, gone_wait, producer):
-            t.cancel()
-        if not producer.done():
-            await asyncio.gather(producer, return_exceptions=True)
-        await asyncio.gather(beater, gone_wait, return_exceptions=True)
-        await _aclose(chunks)
+        state["ending"] = True
+        timer[0].cancel()
+        for f in beats:
+            f.cancel()
         mux.waiters.pop(gone_subject, None)
         if batching:
             mux.leave(caller, gone_subject)
+        await _aclose(chunks)
+
+
+def _forget_beat(beats: list[asyncio.Future[None]]) -> Callable[[asyncio.Future[None]], None]:
+    def done(f: asyncio.Future[None]) -> None:
+        if f in beats:
+            beats.remove(f)
+        if not f.cancelled() and f.exception() is not None:
+            log.debug("heartbeat not sent: %s", f.exception())
+    return done
 
 
 async def _aclose(chunks: Any) -> None:
