@@ -38,14 +38,6 @@ from proc_cpu import cmdline, own_cpu, tree  # noqa: E402
 ROLE_ORDER = ["frontend", "api-server", "worker", "engine", "nats-server", "other"]
 
 
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def role_of(pid: int) -> str:
     c = cmdline(pid)
     if "nats-server" in c:
@@ -190,13 +182,6 @@ class ProcessProfile:
         lines.append(f"| **all** | | {total:.2f} | {1e3 * total / max(requests, 1):.3f} | "
                      f"{1e6 * total / max(output_tokens, 1):.1f} | |")
         return "\n".join(lines)
-
-    def inclusive(self, role: str, match: str = "") -> list[tuple[str, float]]:
-        """Inclusive shares of one role's frames (optionally only those containing ``match``)."""
-        for r in self.rows:
-            if r.role == role:
-                return [(f, s) for f, s in r.top_incl if match in f]
-        return []
 
     def by_role(self) -> dict[str, float]:
         return {r.role: round(r.cpu_s, 3) for r in self.rows}

@@ -128,6 +128,6 @@ class Outbox:
                                    headers=plain_headers(batch[0]))
             return
         self.batches += 1
-        await self._nc.publish(prefix + "." + S.BATCH_TOKEN, _ENCODER.encode(batch),
+        await self._nc.publish(S.stream_batch_subject(prefix), _ENCODER.encode(batch),
                                reply=self._caller_reply(prefix),
                                headers={S.CONTENT_TYPE: S.CT_MSGPACK, S.STREAM_BATCH: str(len(batch))})

@@ -35,9 +35,10 @@ STREAM_BATCH = "Stream-Batch"
 BATCH_TOKEN = "batch"
 
 
-def stream_batch_subject(reply: str) -> str:
-    """Where the batches for the caller of ``reply`` (``<caller inbox prefix>.<call token>``) go."""
-    return reply.rpartition(".")[0] + "." + BATCH_TOKEN
+def stream_batch_subject(caller: str) -> str:
+    """Where the batches for a caller go: ``caller`` is its inbox prefix (a reply subject without
+    its last token, the call's)."""
+    return f"{caller}.{BATCH_TOKEN}"
 
 # JetStream's account info request: answered once JetStream is available (a cluster: a meta leader)
 JS_API_INFO = "$JS.API.INFO"
