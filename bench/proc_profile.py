@@ -60,9 +60,8 @@ class ProcRow:
     pids: list[int]
     cpu_s: float
     samples: int = 0
-    # (function, share of this process's samples): self time (leaf frames) and inclusive time
+    # (function, share of this process's samples spent in it, not in what it called)
     top_self: list[tuple[str, float]] = field(default_factory=list)
-    top_incl: list[tuple[str, float]] = field(default_factory=list)
 
 
 def _frame_name(frame: str) -> str:
@@ -78,15 +77,14 @@ def _frame_name(frame: str) -> str:
     return f"{name} ({path})" if path else name
 
 
-def parse_raw(path: Path, top: int) -> tuple[int, list[tuple[str, float]], list[tuple[str, float]]]:
+def parse_raw(path: Path, top: int) -> tuple[int, list[tuple[str, float]]]:
     """py-spy's raw (collapsed) output: 'frame;frame;...;leaf COUNT' per line, root first."""
     self_c: collections.Counter[str] = collections.Counter()
-    incl_c: collections.Counter[str] = collections.Counter()
     total = 0
     try:
         lines = path.read_text().splitlines()
     except OSError:
-        return 0, [], []
+        return 0, []
     for line in lines:
         stack, _, n = line.rpartition(" ")
         if not stack or not n.isdigit():
@@ -99,12 +97,9 @@ def parse_raw(path: Path, top: int) -> tuple[int, list[tuple[str, float]], list[
             continue
         total += count
         self_c[frames[-1]] += count
-        for f in set(frames):
-            incl_c[f] += count
     if not total:
-        return 0, [], []
-    return (total, [(f, c / total) for f, c in self_c.most_common(top)],
-            [(f, c / total) for f, c in incl_c.most_common(top * 3)])
+        return 0, []
+    return total, [(f, c / total) for f, c in self_c.most_common(top)]
 
 
 class ProcessProfile:
@@ -162,7 +157,7 @@ class ProcessProfile:
             # several processes of one role (workers; an EngineCore beside multiprocessing's
             # resource tracker): the busiest one's profile stands for them
             if parsed[0] > row.samples:
-                row.samples, row.top_self, row.top_incl = parsed
+                row.samples, row.top_self = parsed
         self.rows = sorted((r for r in by_role.values() if r.cpu_s > 0.005 or r.role != "other"),
                            key=lambda r: ROLE_ORDER.index(r.role))
 
