@@ -127,7 +127,8 @@ class ProcessProfile:
         if self.spy:
             for q in pids:
                 role = role_of(q)
-                if "python" not in cmdline(q).split(" ")[0]:  # nats-server, wrk: no Python frames
+                # nats-server, wrk: no Python frames (vLLM retitles its EngineCore, so ask the role)
+                if role == "nats-server" or role == "other" and "python" not in cmdline(q).split(" ")[0]:
                     continue
                 out = self.out_dir / f"{role}-{q}.txt"
                 p = subprocess.Popen([self._exe, "record", "-p", str(q), "-r", str(self.rate), "-f", "raw",
