@@ -28,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proc_cpu import cmdline, own_cpu, tree  # noqa: E402
 
+# where frames' files live on this machine, longest first so site-packages wins over the stdlib
+_PATH_PREFIXES = sorted({str(Path(p)) + "/" for p in (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"],
+                                                      Path(__file__).resolve().parent.parent)}, key=len, reverse=True)
 ROLE_ORDER = ["frontend", "api-server", "worker", "engine", "nats-server", "other"]
 
 
@@ -69,11 +73,10 @@ def _frame_name(frame: str) -> str:
     name, _, loc = frame.partition(" (")
     loc = loc.rstrip(")")
     path = loc.rsplit(":", 1)[0]
-    for marker in ("site-packages/", "lib/python3", "/work/", "vllm-actors/"):
-        if marker in path:
-            path = path.split(marker, 1)[1]
-    if path.startswith(".") or path.startswith("1"):  # lib/python3.11/... -> the stdlib module path
-        path = path.split("/", 1)[-1]
+    for prefix in _PATH_PREFIXES:  # site-packages, then the stdlib, then this project
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+            break
     return f"{name} ({path})" if path else name
 
 

@@ -75,14 +75,15 @@ class Outbox:
     def __init__(self, nc: Client, caller_reply: Callable[[str], str]) -> None:
         self._nc = nc
         self._caller_reply = caller_reply
-        self._pending: dict[str, list[tuple[str, Piece]]] = {}
+        self._pending: dict[str, list[Piece]] = {}  # caller inbox prefix -> its pieces, in order
         self._flush_task: asyncio.Task[None] | None = None
         self.batches = 0  # batch messages sent (tests and stats)
 
     def put(self, reply: str, piece: Piece) -> None:
         if self._nc.is_closed:
             raise ConnectionClosedError
-        self._pending.setdefault(reply.rpartition(".")[0], []).append((reply, piece))
+        # the reply subject is the caller's inbox prefix plus the piece's token: keep the prefix only
+        self._pending.setdefault(reply.rpartition(".")[0], []).append(piece)
         if self._flush_task is None:
             self._flush_task = asyncio.get_running_loop().create_task(self._flush())
 
@@ -96,16 +97,15 @@ class Outbox:
         pending, self._pending = self._pending, {}
         self._flush_task = None
         nc = self._nc
-        for prefix, items in pending.items():
+        for prefix, pieces in pending.items():
             try:
-                if len(items) == 1:
-                    await self._plain(*items[0])
-                    continue
                 batch: list[Piece] = []
                 size = 0
-                for reply, piece in items:
-                    if len(piece.data) > BATCH_BYTES // 2:
-                        await self._plain(reply, piece)
+                for piece in pieces:
+                    if len(piece.data) > BATCH_BYTES // 2:  # a big chunk goes alone, in its turn
+                        await self._send(prefix, batch)
+                        await self._send(prefix, [piece])
+                        batch, size = [], 0
                         continue
                     if size + len(piece.data) > BATCH_BYTES:
                         await self._send(prefix, batch)
@@ -117,10 +117,8 @@ class Outbox:
                 if not nc.is_closed:
                     log.warning("stream messages to %s not sent: %s: %s", prefix, type(e).__name__, e)
 
-    async def _plain(self, reply: str, piece: Piece) -> None:
-        await self._nc.publish(reply, piece.data, reply=piece.gone, headers=plain_headers(piece))
-
     async def _send(self, prefix: str, batch: list[Piece]) -> None:
+        """One piece as the plain stream message it stands for; several as one batch."""
         if not batch:
             return
         if len(batch) == 1:
