@@ -192,15 +192,18 @@ def _seq(value: int | str, subject: str) -> int:
 
 
 class _CallInbox:
-    """Messages of one stream call, filled by the mux; ``get`` is a future plus a timer (cheaper
-    than nats-py's ``next_msg``, which makes a task, a uuid4 and a ``wait_for`` per message)."""
+    """Messages of one stream call, filled by the mux. ``get`` waits on a future; the timeout is one
+    timer per call, armed once and moved only when a wait needs an earlier deadline (a stream that
+    keeps up waits once per token: a timer made and cancelled per wait cost more than the wait)."""
 
-    __slots__ = ("msgs", "waiter", "closed")
+    __slots__ = ("msgs", "waiter", "closed", "_timer", "_deadline")
 
     def __init__(self) -> None:
         self.msgs: collections.deque[Msg | Piece | None] = collections.deque()
         self.waiter: asyncio.Future[None] | None = None
         self.closed = False  # the connection closed: get() raises ConnectionClosedError
+        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = 0.0  # loop time at which the current wait gives up
 
     def put(self, msg: Msg | Piece | None) -> None:
         self.msgs.append(msg)
@@ -212,12 +215,16 @@ class _CallInbox:
         """The next message, or None after ``timeout`` seconds without one."""
         if not self.msgs:
             loop = asyncio.get_running_loop()
+            self._deadline = deadline = loop.time() + timeout
+            t = self._timer
+            if t is None or t.when() > deadline:
+                if t is not None:
+                    t.cancel()
+                self._timer = loop.call_at(deadline, self._expire, loop)
             w = self.waiter = loop.create_future()
-            timer = loop.call_later(timeout, _wake, w)
             try:
                 await w
             finally:
-                timer.cancel()
                 self.waiter = None
             if not self.msgs:
                 return None
@@ -226,10 +233,23 @@ class _CallInbox:
             raise nats.errors.ConnectionClosedError
         return msg
 
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The timer: ends the wait whose deadline it is, else moves on to the current deadline."""
+        self._timer = None
+        w = self.waiter
+        if w is None or w.done():
+            return  # no wait now: the next one arms a timer again
+        # loop clocks tick in milliseconds (uvloop): a timer may fire a hair before its time
+        if loop.time() >= self._deadline - 0.001:
+            w.set_result(None)
+        else:
+            self._timer = loop.call_at(self._deadline, self._expire, loop)
 
-def _wake(w: asyncio.Future[None]) -> None:
-    if not w.done():
-        w.set_result(None)
+    def stop_timer(self) -> None:
+        """The call is over: its timer must not keep it (and a wake-up) alive until it fires."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class _InboxMux:
@@ -272,7 +292,9 @@ class _InboxMux:
         return self.prefix + token, box
 
     def close(self, inbox: str) -> None:
-        self.calls.pop(inbox[len(self.prefix):], None)
+        box = self.calls.pop(inbox[len(self.prefix):], None)
+        if box is not None:
+            box.stop_timer()
 
     async def _on_msg(self, msg: Msg) -> None:
         token = msg.subject[len(self.prefix):]

@@ -54,6 +54,9 @@ def sampling_params(s: SamplingOptions, role: Role, kv_transfer_params: dict[str
         extra_args["kv_transfer_params"] = dict(kv_transfer_params)
     if extra_args:
         kw["extra_args"] = extra_args
+    # built fresh per request and never reused: vLLM need not deep-copy it on submission (its own
+    # server says the same of its per-request params); the deepcopy was ~4 % of a worker's loop
+    kw["skip_clone"] = True
     try:
         return SamplingParams(**kw)
     except TypeError as e:

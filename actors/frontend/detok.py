@@ -15,7 +15,7 @@ from tokenizers.decoders import DecodeStream
 class TextStream:
     """Token ids in, text deltas out; reports the stop string that ended the text, if any."""
 
-    __slots__ = ("_tok", "_stream", "_stops", "_include", "_hold", "_text", "_sent", "stop_hit")
+    __slots__ = ("_tok", "_stream", "_stops", "_include", "_hold", "_text", "_sent", "_pieces", "stop_hit")
 
     def __init__(self, backend_tokenizer: Any, prompt_ids: list[int] | None, stop: list[str],
                  *, skip_special_tokens: bool = True, include_stop_str_in_output: bool = False) -> None:
@@ -28,13 +28,16 @@ class TextStream:
         self._stops = [s for s in stop if s]
         self._include = include_stop_str_in_output
         self._hold = max((len(s) for s in self._stops), default=1) - 1
-        self._text = ""  # all text produced (up to a stop)
+        self._text = ""  # all text produced (up to a stop), kept while stop strings are watched
         self._sent = 0  # chars of _text already handed out
+        # without stop strings nothing is held back: every piece goes out as it comes, and the text
+        # is kept as its pieces (growing one string per token is quadratic in the output's length)
+        self._pieces: list[str] = []
         self.stop_hit: str | None = None
 
     @property
     def text(self) -> str:
-        return self._text
+        return self._text if self._stops else "".join(self._pieces)
 
     def add_tokens(self, token_ids: list[int], stop_terminated: bool = False) -> str:
         """Feed new tokens; return the text that is safe to send now ("" if held back).
@@ -59,20 +62,21 @@ class TextStream:
         """Feed text directly (text-mode workers that detokenize themselves)."""
         if self.stop_hit is not None or not piece:
             return ""
+        if not self._stops:
+            self._pieces.append(piece)
+            return piece
         start = max(0, len(self._text) - self._hold)
         self._text += piece
-        if self._stops:
-            best = -1
-            for s in self._stops:
-                i = self._text.find(s, start)
-                if i != -1 and (best == -1 or i < best):
-                    best, self.stop_hit = i, s
-            if best != -1:
-                end = best + len(self.stop_hit) if self._include else best  # type: ignore[arg-type]
-                self._text = self._text[:end]
-                return self._take(len(self._text))
-            return self._take(len(self._text) - self._partial_stop())
-        return self._take(len(self._text))
+        best = -1
+        for s in self._stops:
+            i = self._text.find(s, start)
+            if i != -1 and (best == -1 or i < best):
+                best, self.stop_hit = i, s
+        if best != -1:
+            end = best + len(self.stop_hit) if self._include else best  # type: ignore[arg-type]
+            self._text = self._text[:end]
+            return self._take(len(self._text))
+        return self._take(len(self._text) - self._partial_stop())
 
     def _partial_stop(self) -> int:
         """Length of the longest text suffix that could still grow into a stop string."""

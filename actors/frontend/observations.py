@@ -42,9 +42,7 @@ class RequestObservation:
         if self._last is None:
             w.ttft.observe((t - self._t0) * 1000.0)
         else:
-            gap = (t - self._last) * 1000.0 / k
-            for _ in range(k):
-                w.itl.observe(gap)
+            w.itl.observe((t - self._last) * 1000.0 / k, k)
         self._last = t
 
     def finish(self, prompt_tokens: int, generated_tokens: int, cached_tokens: int) -> None:

@@ -48,9 +48,10 @@ class Histogram(msgspec.Struct, kw_only=True):
     def count(self) -> int:
         return sum(self.counts)
 
-    def observe(self, ms: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds_ms, ms)] += 1
-        self.sum_ms += ms
+    def observe(self, ms: float, n: int = 1) -> None:
+        """``n`` observations of ``ms`` (a chunk of n tokens: each its share of the gap)."""
+        self.counts[bisect.bisect_left(self.bounds_ms, ms)] += n
+        self.sum_ms += ms * n
 
     def merge(self, other: Histogram) -> None:
         if other.bounds_ms != self.bounds_ms:
