@@ -33,6 +33,9 @@ STALL_TIMEOUT = "Stall-Timeout"
 # ``<reply prefix>.batch``. On a batch message: how many stream messages it carries.
 STREAM_BATCH = "Stream-Batch"
 BATCH_TOKEN = "batch"
+# On a KV event message (``ns.kv.events.<instance>``): its payload is an array of this many events,
+# in event-id order (what one engine step changed); without the header, the payload is one event.
+KV_BATCH = "Kv-Batch"
 
 
 def stream_batch_subject(caller: str) -> str:

@@ -1,5 +1,8 @@
 """Router-facing KV event contract (msgpack on ``ns.kv.events.<instance>``; JSON also decodes).
 
+A message holds one event, or, with the header ``Kv-Batch: <n>``, an array of n events in event-id
+order: what one engine step changed travels as one message (``encode_batch``, ``decode_events``).
+
 The KV publisher turns vLLM's opaque events into these: every block is named by its router
 *sequence hash* (actors.kv.hashing), which any frontend can recompute from prompt tokens. Events
 are numbered per (instance, dp_rank) from 0 so a router can detect a gap and recover through the
@@ -14,9 +17,12 @@ publisher's index endpoints (``Subjects.kv_index(instance, "range" | "dump")``):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import msgspec
+
+from bus import subjects as S
 
 EventKind = Literal["stored", "removed", "cleared"]
 STORED: EventKind = "stored"
@@ -97,3 +103,31 @@ def encode_event(event: RouterKvEvent) -> bytes:
 
 def decode_event(data: bytes) -> RouterKvEvent:
     return _event_dec.decode(data)
+
+
+_batch_dec = msgspec.msgpack.Decoder(type=list[RouterKvEvent])
+_json_event_dec = msgspec.json.Decoder(type=RouterKvEvent)
+_json_batch_dec = msgspec.json.Decoder(type=list[RouterKvEvent])
+
+
+def encode_batch(encoded: list[bytes]) -> bytes:
+    """A msgpack array of already encoded events (``encode_event``), without encoding them again."""
+    n = len(encoded)
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return head + b"".join(encoded)
+
+
+def decode_events(data: bytes, headers: Mapping[str, str] | None) -> list[RouterKvEvent]:
+    """The events of one message on ``ns.kv.events.<instance>``: an array when the message says
+    ``Kv-Batch``, else one event; msgpack unless its Content-Type says JSON (``nats pub`` by hand).
+    Raises msgspec's DecodeError/ValidationError for anything else."""
+    h = headers or {}
+    msgpack = h.get(S.CONTENT_TYPE) == S.CT_MSGPACK
+    if S.KV_BATCH in h:
+        return (_batch_dec if msgpack else _json_batch_dec).decode(data)
+    return [(_event_dec if msgpack else _json_event_dec).decode(data)]

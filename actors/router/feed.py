@@ -46,7 +46,7 @@ from actors.kv.contract import (
     KvRangeReply,
     KvRangeRequest,
     RouterKvEvent,
-    decode_event,
+    decode_events,
 )
 from actors.router.kv_router import KvRouter
 from actors.worker.contract import LoadReport
@@ -59,7 +59,6 @@ from bus.tasks import cancel_and_wait
 log = logging.getLogger(__name__)
 
 Worker = tuple[str, int]
-_json_event = msgspec.json.Decoder(RouterKvEvent)
 
 
 class KvRouterFeed:
@@ -182,7 +181,7 @@ class KvRouterFeed:
     # --- events --------------------------------------------------------------------------------------
     async def _on_event_msg(self, msg: Msg) -> None:
         try:
-            ev = decode_event(msg.data) if codec.is_msgpack(msg.headers) else _json_event.decode(msg.data)
+            events = decode_events(msg.data, msg.headers)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError) as e:
             # anyone on the bus can publish here: count it, and log the first of each minute only
             self.counters["decode_errors"] += 1
@@ -192,7 +191,8 @@ class KvRouterFeed:
                 log.warning("KV feed: undecodable event on %s (%d so far): %s", msg.subject,
                             self.counters["decode_errors"], str(e)[:200])
             return
-        self.handle_event(ev)
+        for ev in events:
+            self.handle_event(ev)
 
     def handle_event(self, ev: RouterKvEvent) -> None:
         """Apply one event (synchronously: the hot path never awaits) or hold it during recovery."""

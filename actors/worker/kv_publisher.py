@@ -38,6 +38,7 @@ from actors.kv.contract import (
     KvRangeReply,
     KvRangeRequest,
     RouterKvEvent,
+    encode_batch,
     encode_event,
 )
 from actors.kv.translate import KvPublisherMetrics, KvTranslator
@@ -59,6 +60,9 @@ _MSGPACK_HEADERS = {S.CONTENT_TYPE: S.CT_MSGPACK}
 
 
 DRAIN_MAX = 64  # ZMQ messages read per wake-up of a rank's loop
+# a KV event message's payload stays far below any server's max_payload (1 MiB by default): a bigger
+# engine batch (a long prompt's first step stores thousands of blocks) goes as several messages
+BATCH_BYTES = 256 * 1024
 
 
 class _RankFeed:
@@ -252,17 +256,36 @@ class KvPublisherActor(Actor):
             return
         rank.next_seq = seq + 1
         rank.batches += 1
-        for ev in rank.translator.translate(batch, seq):
-            await self._publish(ev)
+        events = rank.translator.translate(batch, seq)
+        if events:
+            await self._publish(events)
 
-    async def _publish(self, ev: RouterKvEvent) -> None:
+    async def _publish(self, events: list[RouterKvEvent]) -> None:
+        """What one engine batch changed, as one NATS message (``Kv-Batch: n``): one publish, one
+        route in nats-server and one parse per router for a step's events, instead of one per event.
+        A lone event goes as the plain event message; a batch over BATCH_BYTES is split."""
+        parts = [encode_event(ev) for ev in events]
+        start = size = 0
+        for i, part in enumerate(parts):
+            if i > start and size + len(part) > BATCH_BYTES:
+                await self._send(events, parts, start, i)
+                start, size = i, 0
+            size += len(part)
+        await self._send(events, parts, start, len(parts))
+
+    async def _send(self, events: list[RouterKvEvent], parts: list[bytes], start: int, end: int) -> None:
+        n = end - start
         try:
-            await self.bus.nc.publish(self.subject, encode_event(ev), headers=_MSGPACK_HEADERS)
-            self.published += 1
-        except Exception as e:  # routers recover the event through `range`
-            self.publish_errors += 1
-            log.warning("KV publisher %s: publishing event %d failed: %s", self.worker_instance,
-                        ev.event_id, e)
+            if n == 1:
+                await self.bus.nc.publish(self.subject, parts[start], headers=_MSGPACK_HEADERS)
+            else:
+                await self.bus.nc.publish(self.subject, encode_batch(parts[start:end]),
+                                          headers={**_MSGPACK_HEADERS, S.KV_BATCH: str(n)})
+            self.published += n
+        except Exception as e:  # routers recover the events through `range`
+            self.publish_errors += n
+            log.warning("KV publisher %s: publishing events %d..%d failed: %s", self.worker_instance,
+                        events[start].event_id, events[end - 1].event_id, e)
 
     async def _replay(self, rank: _RankFeed, quiet: bool = False) -> None:
         """Fetch and apply every buffered batch with seq >= next_seq from the engine's replay socket."""

@@ -14,11 +14,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.engines.kv_events import KVEventBatch, encode_message, stored
+from actors.engines.kv_events import KVEventBatch, encode_message, removed, stored
 from actors.engines.mocker.engine import MockerEngine
 from actors.engines.protocol import KvEventSource, SamplingOptions, TokensPrompt
 from actors.kv import hashing
-from actors.kv.contract import KvDumpReply, KvRangeReply, RouterKvEvent, decode_event
+from actors.kv.contract import KvDumpReply, KvRangeReply, RouterKvEvent, decode_events
+from actors.worker import kv_publisher
 from actors.worker.kv_publisher import KvPublisherActor
 from bus import subjects as S
 from bus.context import BusContext
@@ -42,10 +43,15 @@ class EventSink:
     def __init__(self) -> None:
         self.events: list[RouterKvEvent] = []
         self.content_types: set[str | None] = set()
+        self.messages: list[list[RouterKvEvent]] = []  # the events of each NATS message
+        self.batch_headers: list[str | None] = []  # each message's Kv-Batch header
 
     async def cb(self, msg) -> None:  # type: ignore[no-untyped-def]
         self.content_types.add((msg.headers or {}).get(S.CONTENT_TYPE))
-        self.events.append(decode_event(msg.data))
+        self.batch_headers.append((msg.headers or {}).get(S.KV_BATCH))
+        events = decode_events(msg.data, msg.headers)
+        self.messages.append(events)
+        self.events.extend(events)
 
     def stored_hashes(self) -> list[int]:
         return [b.seq_hash for e in self.events if e.kind == "stored" for b in e.stored]
@@ -223,7 +229,11 @@ class HandPublisher:
                              replay_endpoint=f"tcp://127.0.0.1:{self.rport}" if replay else None)
 
     async def send(self, tokens: list[int], hashes: list[int], parent: int | None, drop: bool = False) -> None:
-        batch = KVEventBatch(ts=time.time(), events=[stored(hashes, tokens, BS, parent_block_hash=parent)])
+        await self.send_events([stored(hashes, tokens, BS, parent_block_hash=parent)], drop)
+
+    async def send_events(self, events: list, drop: bool = False) -> None:  # type: ignore[type-arg]
+        """One engine batch of these vLLM events (what one step changed)."""
+        batch = KVEventBatch(ts=time.time(), events=events)
         frames = encode_message(batch, self.seq)
         self.buffer.append((self.seq, frames))
         self.seq += 1
@@ -272,6 +282,41 @@ async def test_zmq_gap_is_replayed_or_counted(bus: BusContext, replay: bool) -> 
         if replay:
             await eventually(lambda: hashing.sequence_hashes(list(range(50, 54)), BS)[0]
                              in sink.stored_hashes())
+    finally:
+        await pub.stop(1.0)
+        await hp.close()
+
+
+async def test_one_engine_batch_is_one_nats_message(bus: BusContext, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What one engine step changed travels as one message with ``Kv-Batch: n`` (events in id order);
+    a lone event as the plain event message; a batch over the byte bound as several messages."""
+    hp = HandPublisher()
+    sink = EventSink()
+    await bus.nc.subscribe(bus.subjects.kv_events("wb"), cb=sink.cb)
+    pub = KvPublisherActor(bus.child(), "wb", "agg", "mock", BS, [hp.source()], idle_probe=0.2)
+    await pub.start()
+    try:
+        await asyncio.sleep(0.3)  # slow joiner: let the SUB subscription reach the PUB
+        toks = list(range(1, 13))
+        # three requests' blocks stored and one removed in one step: four events, one message
+        await hp.send_events([stored([11], toks[0:4], BS), stored([12], toks[4:8], BS, parent_block_hash=11),
+                              stored([31], toks[8:12], BS), removed([31])])
+        await eventually(lambda: len(sink.events) == 4)
+        assert sink.batch_headers == ["4"] and [len(m) for m in sink.messages] == [4]
+        assert [e.event_id for e in sink.events] == [0, 1, 2, 3]
+        assert [e.kind for e in sink.events] == ["stored", "stored", "stored", "removed"]
+        await hp.send_events([removed([12])])  # a lone event: the plain message
+        await eventually(lambda: len(sink.events) == 5)
+        assert sink.batch_headers[-1] is None and sink.events[-1].event_id == 4
+        # over the byte bound: split, in order, nothing lost
+        monkeypatch.setattr(kv_publisher, "BATCH_BYTES", 200)
+        many = [stored([100 + i], [1000 + 4 * i + j for j in range(BS)], BS) for i in range(20)]
+        await hp.send_events(many)
+        await eventually(lambda: len(sink.events) == 25)
+        split = sink.messages[2:]
+        assert len(split) > 1 and sum(len(m) for m in split) == 20
+        assert [e.event_id for e in sink.events] == list(range(25))
+        assert pub.statistics()["published"] == 25
     finally:
         await pub.stop(1.0)
         await hp.close()

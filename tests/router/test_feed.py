@@ -6,19 +6,21 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 
 from actors.engines.mocker.engine import MockerEngine
 from actors.engines.protocol import SamplingOptions, TokensPrompt
 from actors.instances.contract import InstanceRecord
 from actors.kv import hashing
-from actors.kv.contract import RouterKvEvent
+from actors.kv.contract import RouterKvEvent, StoredBlock, encode_batch, encode_event
 from actors.router.cost import RouterConfig
 from actors.router.feed import KvRouterFeed
 from actors.router.kv_router import KvRouter
 from actors.worker.contract import LoadReport
 from actors.worker.kv_publisher import KvPublisherActor
 from bus import codec
+from bus import subjects as S
 from bus.context import BusContext, open_context
 from bus.embedded import EmbeddedNats
 from bus.registry import Registry
@@ -365,8 +367,35 @@ async def test_garbage_on_the_event_subject_is_counted_not_raised(bus: BusContex
     subject = bus.subjects.kv_events("wg")
     for data, headers in ((b"[" * 100_000 + b"]" * 100_000, None), (b'{"instance": "\xff"}', None),
                           (b"\xc1\xc1", {"Content-Type": "application/msgpack"}),
-                          (b"\x91" * 5000 + b"\xc0", {"Content-Type": "application/msgpack"})):
+                          (b"\x91" * 5000 + b"\xc0", {"Content-Type": "application/msgpack"}),
+                          # a batch header over one event, and over a batch with one bad event
+                          (encode_event(RouterKvEvent(instance="wg", event_id=0, kind="cleared", block_size=BS)),
+                           {"Content-Type": "application/msgpack", "Kv-Batch": "1"}),
+                          (b'[{"instance": "wg", "event_id": 0, "kind": "cleared", "block_size": 4}, {"x": 1}]',
+                           {"Kv-Batch": "2"})):
         await bus.nc.publish(subject, data, headers=headers)
-    await eventually(lambda: feed.counters["decode_errors"] == 4)
+    await eventually(lambda: feed.counters["decode_errors"] == 6)
     await a.generate(list(range(2000, 2000 + 3 * BS)), "after-garbage")
     await converged(router, feed, a)
+
+
+async def test_a_batch_message_is_applied_event_by_event_in_order(bus: BusContext, cluster: Cluster) -> None:
+    """One message with ``Kv-Batch: n`` (what one engine step changed) is n events to the feed, in
+    order; JSON works as msgpack does (``nats pub`` with the header)."""
+    router, feed = await cluster.feed()  # no model filter: it indexes any instance's events
+    h1, h2, h3 = 0x101, 0x102, 0x103
+    first = [RouterKvEvent(instance="wb", event_id=0, kind="stored", block_size=BS,
+                           stored=[StoredBlock(h1), StoredBlock(h2, h1)]),
+             RouterKvEvent(instance="wb", event_id=1, kind="stored", block_size=BS,
+                           stored=[StoredBlock(h3, h2)])]
+    await bus.nc.publish(bus.subjects.kv_events("wb"), encode_batch([encode_event(e) for e in first]),
+                         headers={S.CONTENT_TYPE: S.CT_MSGPACK, S.KV_BATCH: "2"})
+    await eventually(lambda: set(router.index.worker_hashes(("wb", 0))) == {h1, h2, h3})
+    second = msgspec.json.encode([RouterKvEvent(instance="wb", event_id=2, kind="removed", block_size=BS,
+                                                removed=[h3]),
+                                  RouterKvEvent(instance="wb", event_id=3, kind="removed", block_size=BS,
+                                                removed=[h2])])
+    await bus.nc.publish(bus.subjects.kv_events("wb"), second, headers={S.KV_BATCH: "2"})
+    await eventually(lambda: set(router.index.worker_hashes(("wb", 0))) == {h1})
+    assert router.index.last_event_id(("wb", 0)) == 3
+    assert feed.counters["events"] == 4 and feed.counters["gaps"] == 0 and feed.counters["decode_errors"] == 0

@@ -14,7 +14,7 @@ import pytest
 
 from actors.engines.protocol import SamplingOptions
 from actors.kv import hashing
-from actors.kv.contract import decode_event
+from actors.kv.contract import decode_events
 from actors.worker import contract as C
 from actors.worker.contract import GenerateChunk, GenerateRequest
 from actors.worker.process import run_worker
@@ -68,7 +68,7 @@ async def test_lora_and_kv_publisher_through_restart(nats_server, tmp_path: Path
         events: list = []
 
         async def on_event(m) -> None:
-            events.append(decode_event(m.data))
+            events.extend(decode_events(m.data, m.headers))
 
         sub = await ctx.nc.subscribe(ctx.subjects.kv_events(inst), cb=on_event)
         await asyncio.sleep(0.3)  # the lazily built KV publisher asks the engine for its sources
