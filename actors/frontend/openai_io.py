@@ -73,7 +73,7 @@ def _early_read_error(body: bytes) -> BadRequest | None:
     # vLLM's message normalizer runs list() over each message's tool_calls before pydantic checks it
     for i, msg in enumerate(data.get("messages") or []):
         calls = msg.get("tool_calls") if isinstance(msg, dict) else None
-        if isinstance(calls, int | float | bool):
+        if isinstance(calls, int | float):  # a bool is an int
             return BadRequest(f"messages.{i}.tool_calls: Input should be iterable", param="messages")
     return None
 

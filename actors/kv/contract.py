@@ -112,14 +112,7 @@ _json_batch_dec = msgspec.json.Decoder(type=list[RouterKvEvent])
 
 def encode_batch(encoded: list[bytes]) -> bytes:
     """A msgpack array of already encoded events (``encode_event``), without encoding them again."""
-    n = len(encoded)
-    if n < 16:
-        head = bytes((0x90 | n,))
-    elif n < 1 << 16:
-        head = b"\xdc" + n.to_bytes(2, "big")
-    else:
-        head = b"\xdd" + n.to_bytes(4, "big")
-    return head + b"".join(encoded)
+    return _enc.encode([msgspec.Raw(e) for e in encoded])
 
 
 def decode_events(data: bytes, headers: Mapping[str, str] | None) -> list[RouterKvEvent]:

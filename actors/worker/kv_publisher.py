@@ -264,28 +264,30 @@ class KvPublisherActor(Actor):
         """What one engine batch changed, as one NATS message (``Kv-Batch: n``): one publish, one
         route in nats-server and one parse per router for a step's events, instead of one per event.
         A lone event goes as the plain event message; a batch over BATCH_BYTES is split."""
-        parts = [encode_event(ev) for ev in events]
-        start = size = 0
-        for i, part in enumerate(parts):
-            if i > start and size + len(part) > BATCH_BYTES:
-                await self._send(events, parts, start, i)
-                start, size = i, 0
-            size += len(part)
-        await self._send(events, parts, start, len(parts))
+        group: list[tuple[RouterKvEvent, bytes]] = []
+        size = 0
+        for ev in events:
+            data = encode_event(ev)
+            if group and size + len(data) > BATCH_BYTES:
+                await self._send(group)
+                group, size = [], 0
+            group.append((ev, data))
+            size += len(data)
+        await self._send(group)
 
-    async def _send(self, events: list[RouterKvEvent], parts: list[bytes], start: int, end: int) -> None:
-        n = end - start
+    async def _send(self, group: list[tuple[RouterKvEvent, bytes]]) -> None:
+        n = len(group)
         try:
             if n == 1:
-                await self.bus.nc.publish(self.subject, parts[start], headers=_MSGPACK_HEADERS)
+                await self.bus.nc.publish(self.subject, group[0][1], headers=_MSGPACK_HEADERS)
             else:
-                await self.bus.nc.publish(self.subject, encode_batch(parts[start:end]),
+                await self.bus.nc.publish(self.subject, encode_batch([data for _, data in group]),
                                           headers={**_MSGPACK_HEADERS, S.KV_BATCH: str(n)})
             self.published += n
         except Exception as e:  # routers recover the events through `range`
             self.publish_errors += n
             log.warning("KV publisher %s: publishing events %d..%d failed: %s", self.worker_instance,
-                        events[start].event_id, events[end - 1].event_id, e)
+                        group[0][0].event_id, group[-1][0].event_id, e)
 
     async def _replay(self, rank: _RankFeed, quiet: bool = False) -> None:
         """Fetch and apply every buffered batch with seq >= next_seq from the engine's replay socket."""
