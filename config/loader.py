@@ -294,6 +294,10 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
             positive(f"frontend.{key}", getattr(t.frontend, key))
         if t.frontend.quarantine_ttl < 0:
             fail("frontend.quarantine_ttl", f"expected seconds >= 0, got {t.frontend.quarantine_ttl}")
+        if t.frontend.prefill_load_scale is not None and not t.frontend.prefill_load_scale >= 0:
+            fail("frontend.prefill_load_scale", f"expected a weight >= 0, got {t.frontend.prefill_load_scale}")
+        if t.frontend.session_affinity_ttl < 0:
+            fail("frontend.session_affinity_ttl", f"expected seconds >= 0, got {t.frontend.session_affinity_ttl}")
         if t.frontend.busy_threshold is not None and not 0 < t.frontend.busy_threshold <= 1:
             fail("frontend.busy_threshold", f"expected a fraction in (0, 1], got {t.frontend.busy_threshold}")
         check_api_key(t.frontend, fail)

@@ -183,7 +183,13 @@ class FrontendConfig(_Strict):
     metrics_auth: bool = False  # /metrics needs the key too (/health and /live stay open)
     max_body_bytes: int = 8 << 20
     router_temperature: float = 0.0
-    prefill_load_scale: float = 1.0
+    # kv router: None = price workers by predicted latency (actors.router.latency, learned from the
+    # workers' step samples: nothing to tune); a number = the older weighted cost, prefill blocks ×
+    # this + active decode blocks (an override for those who tuned it)
+    prefill_load_scale: float | None = None
+    # kv router: x-dynamo-session-id keeps a session on its worker while that worker is not
+    # overloaded; a binding idle this many seconds is forgotten (0 = ignore the header)
+    session_affinity_ttl: float = 300.0
     busy_threshold: float | None = None  # KV usage fraction above which a worker is skipped
     # kv router: false = approximate mode for engines without KV events (the index is fed by the
     # router's own decisions and forgets them after approx_ttl seconds)

@@ -82,6 +82,7 @@ class Choice:
 
 
 def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decode_only: bool,
+                  session: str | None = None,
                   migration_limit: int, on_migrate: Callable[[], None] | None = None,
                   on_quarantine: Callable[[], None] | None = None, migration_wait: float = 60.0) -> list[Choice]:
     choices = []
@@ -95,6 +96,7 @@ def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decod
             spec = FlowSpec(model=plan.entry, request_id=f"{plan.request_id}-{idx}", sampling=so,
                             token_ids=ids, prompt=text, prompt_embeds=plan.prompt_embeds(p),
                             chat=plan.chat_prompt, mm=plan.mm, lora=plan.lora, target=target,
+                            session=session if plan.n == 1 and len(plan.prompts) == 1 else None,
                             allow_decode_only=allow_decode_only, migration_limit=migration_limit,
                             migration_wait=migration_wait)
             choices.append(Choice(idx, CompletionFlow(spec, deps, on_migrate, on_quarantine), plan, ids))

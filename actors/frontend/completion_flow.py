@@ -113,6 +113,7 @@ class FlowSpec:
     prompt: str | None = None
     lora: str | None = None
     target: str | None = None  # x-worker-instance-id
+    session: str | None = None  # x-dynamo-session-id (soft affinity in the kv router)
     allow_decode_only: bool = True
     migration_limit: int = 3
     migration_wait: float = 60.0
@@ -258,7 +259,7 @@ class CompletionFlow:
             req = self._request(prefill, produced, produced_text)
             router = self.router
             worker = router.choose(pool, req.token_ids, st.failed, target=target, lora=spec.lora, mm=self._mm_spans,
-                                   request_id=req.request_id)
+                                   request_id=req.request_id, session=spec.session)
             call = self.link.stream(worker, req)
             first = True
             answered = False  # the worker took the request (a chunk, a heartbeat or an error came back)

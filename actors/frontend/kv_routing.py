@@ -91,12 +91,18 @@ class KvPolicy:
                            temperature=self.config.router_temperature,
                            busy_threshold=self.config.busy_threshold)
         mode = "kv" if self.config.kv_events else "approx"
-        router = KvRouter(cfg, mode=mode, approx_ttl=self.config.approx_ttl, metrics=self.metrics)
+        router = KvRouter(cfg, mode=mode, approx_ttl=self.config.approx_ttl, metrics=self.metrics,
+                          session_ttl=self.config.session_affinity_ttl)
+        found = self.workers.resolve_model(self.model) if self.model is not None else None
+        if found is not None:  # the card's KV capacity sizes the latency model's defaults
+            card = found[0].card
+            router.latency.set_default_capacity(card.total_kv_blocks * card.kv_block_size or None)
         feed = KvRouterFeed(self.bus, router, model=self.model, instances=self.instances)
         self.router, self.feed = router, feed
         self._feed_task = asyncio.get_running_loop().create_task(self._start_feed(feed),
                                                                  name="kv-router-feed-start")
-        log.info("kv router built: block size %d, %s", block_size,
+        log.info("kv router built: block size %d, %s cost, %s", block_size,
+                 "weighted" if cfg.prefill_load_scale is not None else "predicted-latency",
                  "following KV events (feed starting)" if mode == "kv" else
                  f"approximate mode (own decisions, {self.config.approx_ttl:g}s TTL)")
         return router
@@ -126,7 +132,8 @@ class KvPolicy:
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
-               request_id: str | None = None, mm: Sequence[MmSpan] | None = None) -> Worker:
+               request_id: str | None = None, mm: Sequence[MmSpan] | None = None,
+               session: str | None = None) -> Worker:
         cands = _candidates(pool, exclude, target)
         router = self.router or self._ensure(cands)
         feed = self.feed
@@ -143,7 +150,7 @@ class KvPolicy:
             return cands[0]
         sizes = feed.block_sizes() or {(w.instance, 0): w.block_size for w in cands}
         decision = router.route(request_tokens, ranks, request_id=request_id, lora_name=lora,
-                                block_sizes=sizes, mm=mm)
+                                block_sizes=sizes, mm=mm, session=session)
         return by_instance[decision.instance]
 
     def tokens(self, request_id: str, n: int, first: bool) -> None:

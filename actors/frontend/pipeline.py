@@ -34,7 +34,7 @@ from .output_parsing import ModelParsers
 from .planning import Plan, check_takes_images, plan_request, resolve
 from .preprocess import ModelPreprocessors, Preprocessor
 from .quarantine import Quarantine
-from .responses import SSE_DONE, WORKER_HEADER, ResponseBuilder
+from .responses import SESSION_HEADER, SSE_DONE, WORKER_HEADER, ResponseBuilder
 from .routing import Router
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,8 @@ class CompletionPipeline:
                     plan = plan_request(req, entry, lora, name, pre, body, parsers)
             finally:
                 series.queued.dec()
-            choices = self._choices(plan, target=request.headers.get(WORKER_HEADER))
+            choices = self._choices(plan, target=request.headers.get(WORKER_HEADER),
+                                    session=request.headers.get(SESSION_HEADER))
             for c in choices:  # each choice is one engine request the planner sees
                 c.obs = m.observations.start(t0)
             for ids, _ in plan.prompts:
@@ -162,14 +163,14 @@ class CompletionPipeline:
             parsers = self._parsers[key] = ModelParsers(tool, reasoning, pre.hf)
         return parsers
 
-    def _choices(self, plan: Plan, target: str | None) -> list[Choice]:
+    def _choices(self, plan: Plan, target: str | None, session: str | None = None) -> list[Choice]:
         """The plan's flows, under the topology's migration settings for its model (the card's
         when this frontend's topology does not name the model)."""
         entry = plan.entry
         series = self.metrics.model(entry.name)
         mc = self.model_config if self.model_config and self.model_config.name == entry.name else None
         return build_choices(
-            plan, self.deps, target=target,
+            plan, self.deps, target=target, session=session,
             allow_decode_only=mc.allow_decode_only if mc is not None else True,
             migration_limit=mc.migration_limit if mc is not None else entry.card.migration_limit,
             on_migrate=series.migrations.inc,

@@ -18,6 +18,9 @@ from .planning import Plan
 
 # The serving worker(s) of a response, and a client's pin to one worker on a request.
 WORKER_HEADER = "x-worker-instance-id"
+# a client's session id: the kv router keeps the session on one worker while it is not overloaded
+# (Dynamo's header name, so agent harnesses that send it for Dynamo work unchanged)
+SESSION_HEADER = "x-dynamo-session-id"
 # The prefill worker(s) of a disaggregated response.
 PREFILL_HEADER = "x-prefill-instance-id"
 

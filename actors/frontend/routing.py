@@ -4,7 +4,8 @@
 excluded one: migration excludes the instance that just failed). ``mm`` gives the prompt's images
 (``actors.kv.hashing.MmSpan``: content hash and placeholder range in ``request_tokens``) to the
 policies that hash blocks (kv); the others ignore it. ``target`` pins an instance
-(the ``x-worker-instance-id`` header); the ``direct`` policy requires it. The ``kv`` policy is
+(the ``x-worker-instance-id`` header); the ``direct`` policy requires it. ``session`` is the
+client's session id (``x-dynamo-session-id``), which only the kv policy uses. The ``kv`` policy is
 supplied by ``actors.router`` (KV-cache-aware cost) through ``make_router(kv_factory=...)``.
 """
 
@@ -30,7 +31,8 @@ class Router(Protocol):
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
-               request_id: str | None = None, mm: Sequence[MmSpan] | None = None) -> Worker:
+               request_id: str | None = None, mm: Sequence[MmSpan] | None = None,
+               session: str | None = None) -> Worker:
         """Return a worker or raise Overloaded (none left) / NotFound (unknown target)."""
         ...
 
@@ -71,7 +73,8 @@ class RoundRobinRouter(_Stateless):
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
-               request_id: str | None = None, mm: Sequence[MmSpan] | None = None) -> Worker:
+               request_id: str | None = None, mm: Sequence[MmSpan] | None = None,
+               session: str | None = None) -> Worker:
         cands = _candidates(pool, exclude, target)
         return cands[next(self._counter) % len(cands)]
 
@@ -84,7 +87,8 @@ class RandomRouter(_Stateless):
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
-               request_id: str | None = None, mm: Sequence[MmSpan] | None = None) -> Worker:
+               request_id: str | None = None, mm: Sequence[MmSpan] | None = None,
+               session: str | None = None) -> Worker:
         cands = _candidates(pool, exclude, target)
         return cands[self._rng.randrange(len(cands))]
 
@@ -96,7 +100,8 @@ class DirectRouter(_Stateless):
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
-               request_id: str | None = None, mm: Sequence[MmSpan] | None = None) -> Worker:
+               request_id: str | None = None, mm: Sequence[MmSpan] | None = None,
+               session: str | None = None) -> Worker:
         if target is None:
             raise BadRequest("router mode 'direct' needs the x-worker-instance-id header")
         return _candidates(pool, exclude, target)[0]

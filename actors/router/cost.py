@@ -1,10 +1,19 @@
-"""Worker selection: cost = prefill_load_scale × new_prefill_blocks + active_decode_blocks.
+"""Worker selection: the lowest predicted latency, or (an override) a weighted sum of blocks.
 
-``new_prefill_blocks = request_blocks − overlap_blocks + active_prefill_tokens / block_size``
+**Latency (the default).** Each candidate is priced by ``actors.router.latency``: the TTFT this
+request would see there plus the delay it would add to the streams the worker already runs, in
+milliseconds of that worker's measured step times (learned from its load reports). The lowest
+wins. Near-ties (within a few ``tie`` = max(``TIE_MS``, ``TIE_FRACTION`` × best)) go to the workers
+with the fewest cached blocks (new prefixes spread onto emptier caches), then are sampled with
+softmax weights exp(−(cost − best)/tie), as Dynamo samples its router's logits: equal workers share
+new work instead of the first one taking it all.
+
+**Weights (when ``prefill_load_scale`` is set).** cost = prefill_load_scale × new_prefill_blocks +
+active_decode_blocks, where ``new_prefill_blocks = request_blocks − overlap_blocks + active_prefill_tokens / block_size``
 (fractional, as in Dynamo): what the worker would still have to prefill, including the queue it
 already has. Lowest cost wins. Ties go to the worker with the *smaller index* (fewer cached blocks
 in the KV index, Dynamo's tie-break: it spreads new prefixes onto emptier caches), then random.
-With ``temperature > 0`` a worker is sampled with probability ∝ exp(−normalised_cost / T), where
+With ``temperature > 0`` (either mode) a worker is sampled with probability ∝ exp(−normalised_cost / T), where
 costs are min-max normalised to [0, 1] so T means the same at any load.
 
 Busy workers (reported KV usage ≥ ``busy_threshold``) are excluded; if every candidate is busy the
@@ -22,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
+from actors.router.latency import LatencyModel, WorkerState
 from actors.router.load import LoadTracker
 from actors.router.metrics import RouterMetrics
 from bus.errors import Overloaded
@@ -30,6 +40,10 @@ log = logging.getLogger(__name__)
 
 Worker = tuple[str, int]
 _EPS = 1e-9
+# latency mode: costs this close to the best are a near-tie (one cached 16-token block is worth
+# ~0.25 ms of prefill at the default rates, 10 ties: a hit is never a tie with a miss)
+TIE_FRACTION = 0.001
+TIE_MS = 0.02
 
 
 class IndexView(Protocol):
@@ -41,7 +55,7 @@ class IndexView(Protocol):
 @dataclass(slots=True)
 class RouterConfig:
     block_size: int
-    prefill_load_scale: float = 1.0
+    prefill_load_scale: float | None = None  # None: price by predicted latency; a number: weights
     temperature: float = 0.0
     busy_threshold: float | None = None  # KV usage fraction (0-1); None = never exclude
 
@@ -55,6 +69,9 @@ class WorkerCost:
     decode_blocks: int
     cost: float
     block_size_mismatch: bool = False
+    ttft_ms: float | None = None  # latency mode: the predicted TTFT there
+    stream_cost_ms: float | None = None  # latency mode: the delay added to its running streams
+    line: str | None = None  # latency mode: "worker", "pool" or "default" (which step line priced it)
 
 
 @dataclass(slots=True)
@@ -67,6 +84,7 @@ class RoutingDecision:
     costs: list[WorkerCost] = field(default_factory=list)
     excluded_busy: list[str] = field(default_factory=list)
     mode: str = "kv"
+    cost_model: str = "latency"  # or "weights"
 
     @property
     def worker(self) -> Worker:
@@ -78,10 +96,11 @@ class RoutingDecision:
 
 class CostSelector:
     def __init__(self, config: RouterConfig, *, metrics: RouterMetrics | None = None,
-                 rng: random.Random | None = None) -> None:
+                 rng: random.Random | None = None, latency: LatencyModel | None = None) -> None:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.rng = rng or random.Random()
+        self.latency = latency or LatencyModel()
         self._warned: set[Worker] = set()
 
     def _mismatch(self, w: Worker, index: IndexView, block_sizes: Mapping[Worker, int | None]) -> bool:
@@ -108,6 +127,7 @@ class CostSelector:
         req_blocks = request_tokens / bs
         busy: list[str] = []
         costs: list[WorkerCost] = []
+        scale = cfg.prefill_load_scale
         for w in workers:
             if cfg.busy_threshold is not None:
                 usage = load.kv_usage(w)
@@ -116,15 +136,44 @@ class CostSelector:
                     continue
             mismatch = self._mismatch(w, index, block_sizes)
             overlap = 0 if mismatch else overlaps.get(w, 0)
-            prefill = req_blocks - overlap + load.prefill_tokens(w) / bs
+            queued = load.prefill_tokens(w)
+            prefill = req_blocks - overlap + queued / bs
             decode = load.decode_blocks(w)
-            costs.append(WorkerCost(w[0], w[1], overlap, prefill, decode,
-                                    cfg.prefill_load_scale * prefill + decode, mismatch))
+            if scale is not None:
+                costs.append(WorkerCost(w[0], w[1], overlap, prefill, decode, scale * prefill + decode, mismatch))
+                continue
+            state = WorkerState(queued_prefill=queued, kv_tokens=decode * bs, running=load.running(w),
+                                capacity_tokens=load.capacity_tokens(w) or self.latency.capacity(w))
+            est = self.latency.estimate(w, state, request_tokens, max(0, request_tokens - overlap * bs))
+            costs.append(WorkerCost(w[0], w[1], overlap, prefill, decode, est.cost, mismatch,
+                                    est.ttft_ms, est.stream_cost_ms, est.source))
         if not costs:
             raise Overloaded(f"all {len(workers)} workers are busy (KV usage >= {cfg.busy_threshold})")
-        chosen = self._sample(costs) if cfg.temperature > 0 else self._argmin(costs, index)
+        if cfg.temperature > 0:
+            chosen = self._sample(costs)
+        elif scale is None:
+            chosen = self._near_tie(costs, index)
+        else:
+            chosen = self._argmin(costs, index)
         return RoutingDecision(chosen.instance, chosen.dp_rank, chosen.overlap_blocks, chosen.cost,
-                               request_tokens // bs, costs, busy)
+                               request_tokens // bs, costs, busy,
+                               cost_model="weights" if scale is not None else "latency")
+
+    def _near_tie(self, costs: list[WorkerCost], index: IndexView) -> WorkerCost:
+        """The cheapest, or one of those within a near-tie of it: of those, the ones with the fewest
+        cached blocks (new prefixes spread onto emptier caches), then by softmax weight."""
+        if len(costs) == 1:
+            return costs[0]
+        best = min(c.cost for c in costs)
+        tie = max(TIE_MS, TIE_FRACTION * best)
+        near = [c for c in costs if c.cost - best <= 4 * tie]  # farther ones would weigh < 2 %
+        if len(near) > 1:
+            fewest = min(index.worker_blocks((c.instance, c.dp_rank)) for c in near)
+            near = [c for c in near if index.worker_blocks((c.instance, c.dp_rank)) == fewest]
+        if len(near) == 1:
+            return near[0]
+        weights = [math.exp(-(c.cost - best) / tie) for c in near]
+        return self.rng.choices(near, weights=weights, k=1)[0]
 
     def _argmin(self, costs: list[WorkerCost], index: IndexView) -> WorkerCost:
         best = min(c.cost for c in costs)

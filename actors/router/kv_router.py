@@ -22,9 +22,11 @@ from typing import Any, Literal
 
 from actors.kv import hashing
 from actors.kv.contract import KvRangeReply, KvSnapshot, RouterKvEvent
+from actors.router.affinity import SessionAffinity
 from actors.router.approx import ApproxIndex
 from actors.router.cost import CostSelector, RouterConfig, RoutingDecision
 from actors.router.index import Gap, KvIndex
+from actors.router.latency import LatencyModel
 from actors.router.load import LoadTracker
 from actors.router.metrics import RouterMetrics
 from actors.worker.contract import LoadReport
@@ -38,7 +40,7 @@ class KvRouter:
     def __init__(self, config: RouterConfig, *, mode: Literal["kv", "approx"] = "kv",
                  approx_ttl: float = 120.0, metrics: RouterMetrics | None = None,
                  rng: random.Random | None = None, load: LoadTracker | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, session_ttl: float = 300.0) -> None:
         self.config = config
         self.mode = mode
         self.metrics = metrics or RouterMetrics()
@@ -48,7 +50,9 @@ class KvRouter:
         # kv mode: decisions not yet confirmed by events (approx mode's index already is that)
         self.predictions: ApproxIndex | None = ApproxIndex(approx_ttl, clock=clock) if mode == "kv" else None
         self.load = load or LoadTracker(config.block_size)
-        self.selector = CostSelector(config, metrics=self.metrics, rng=rng)
+        self.latency = LatencyModel()
+        self.selector = CostSelector(config, metrics=self.metrics, rng=rng, latency=self.latency)
+        self.sessions = SessionAffinity(session_ttl, clock=clock)
         self._auto_id = 0
         self._decisions: dict[str, Any] = {}  # mode -> labelled counter child (.labels() costs more than .inc())
 
@@ -56,9 +60,10 @@ class KvRouter:
     def route(self, tokens: Sequence[int], workers: Sequence[Worker], *, request_id: str | None = None,
               lora_name: str | None = None, salt: str | None = None,
               block_sizes: Mapping[Worker, int | None] | None = None, book: bool = True,
-              mm: Sequence[hashing.MmSpan] | None = None) -> RoutingDecision:
+              mm: Sequence[hashing.MmSpan] | None = None, session: str | None = None) -> RoutingDecision:
         """Choose a worker for ``tokens``; with ``book``, book the request's load and blocks there.
-        ``mm``: the prompt's images (placeholder ranges in ``tokens``), hashed into their blocks."""
+        ``mm``: the prompt's images (placeholder ranges in ``tokens``), hashed into their blocks.
+        ``session``: the client's session id (soft affinity, ``actors.router.affinity``)."""
         m = self.metrics
         t0 = time.perf_counter()
         seqs = hashing.sequence_hashes(tokens, self.config.block_size, lora_name, salt, mm)
@@ -68,6 +73,8 @@ class KvRouter:
         t2 = time.perf_counter()
         decision = self.selector.select(workers, len(tokens), overlaps, self.load, self,
                                         block_sizes=block_sizes)
+        if session and self.sessions.ttl > 0:
+            decision = self._affinity(session, decision, book)
         t3 = time.perf_counter()
         decision.mode = self.mode
         m.hashing_seconds.observe(t1 - t0)
@@ -78,6 +85,9 @@ class KvRouter:
             dec = self._decisions[self.mode] = m.decisions.labels(self.mode)
         dec.inc()
         m.observe_hit(len(seqs), decision.overlap_blocks)
+        chosen = next((c for c in decision.costs if (c.instance, c.dp_rank) == decision.worker), None)
+        if chosen is not None and chosen.ttft_ms is not None:
+            m.predicted_ttft.observe(chosen.ttft_ms / 1e3)
         if book:
             self._book(seqs, real, decision, len(tokens), request_id)
         if log.isEnabledFor(logging.DEBUG):
@@ -85,6 +95,27 @@ class KvRouter:
                       decision.instance, decision.dp_rank, decision.overlap_blocks,
                       decision.request_blocks, decision.cost,
                       [(c.instance, c.dp_rank, c.overlap_blocks, round(c.cost, 2)) for c in decision.costs])
+        return decision
+
+    def _affinity(self, session: str, decision: RoutingDecision, book: bool) -> RoutingDecision:
+        """Keep the session on its bound worker unless that worker is overloaded or gone."""
+        bound = self.sessions.bound(session)
+        outcome = "first"
+        if bound is not None:
+            here = next((c for c in decision.costs if (c.instance, c.dp_rank) == bound), None)
+            if here is None or self.sessions.overloaded(here.cost, min(c.cost for c in decision.costs)):
+                outcome = "moved"
+                log.debug("session %s leaves %s/%d (%s)", session, bound[0], bound[1],
+                          "not a candidate" if here is None else f"overloaded: cost {here.cost:.1f}")
+            else:
+                outcome = "kept"
+                if bound != decision.worker:
+                    decision = RoutingDecision(here.instance, here.dp_rank, here.overlap_blocks, here.cost,
+                                               decision.request_blocks, decision.costs, decision.excluded_busy,
+                                               cost_model=decision.cost_model)
+        if book:
+            self.sessions.bind(session, decision.worker)
+        self.metrics.session_affinity.labels(outcome).inc()
         return decision
 
     def pin(self, tokens: Sequence[int], worker: Worker, *, request_id: str | None = None,
@@ -154,7 +185,9 @@ class KvRouter:
         self.load.add_output_tokens(request_id, n)
 
     def finish(self, request_id: str) -> None:
-        self.load.finish(request_id)
+        out = self.load.finish(request_id)
+        if out:
+            self.latency.observe_output(out)
 
     # ---- feeds -----------------------------------------------------------------------------------
     def apply_event(self, event: RouterKvEvent) -> Gap | None:
@@ -200,18 +233,25 @@ class KvRouter:
             self.metrics.predicted_blocks.set(preds.predicted())
 
     def reconcile(self, report: LoadReport) -> None:
+        """A worker's load report: its load for the next decisions, its steps for the latency model."""
         self.load.reconcile(report)
+        cap = report.total_kv_blocks * self.config.block_size if report.total_kv_blocks else None
+        self.latency.observe((report.instance, report.dp_rank), report.steps, cap)
 
     def remove_worker(self, instance: str) -> None:
         self.index.remove_worker(instance)
         self.load.remove_worker(instance)
+        self.latency.remove_worker(instance)
+        self.sessions.remove_worker(instance)
         if self.predictions is not None:
             self.predictions.remove_worker(instance)
             self.metrics.predicted_blocks.set(self.predictions.predicted())
 
     def stats(self) -> dict:
         out = {"mode": self.mode, "block_size": self.config.block_size, "index": self.index.stats(),
-               "load": self.load.snapshot()}
+               "load": self.load.snapshot(),
+               "cost_model": "latency" if self.config.prefill_load_scale is None else "weights",
+               "latency": self.latency.stats()}
         if self.predictions is not None:
             p = self.predictions.stats()
             out["predicted"] = {"blocks": self.predictions.predicted(), "hashes": p["blocks"],

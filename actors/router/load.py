@@ -32,6 +32,7 @@ class _Req:
     decode_blocks: int
     total_tokens: int
     started: float
+    prompt_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -63,7 +64,7 @@ class LoadTracker:
         if request_id in self._reqs:
             self.finish(request_id)
         prefill = max(0, prompt_tokens - overlap_blocks * self.block_size)
-        r = _Req(worker, prefill, self._blocks(prompt_tokens), prompt_tokens, self._clock())
+        r = _Req(worker, prefill, self._blocks(prompt_tokens), prompt_tokens, self._clock(), prompt_tokens)
         self._reqs[request_id] = r
         wl = self._load.setdefault(worker, WorkerLoad())
         wl.prefill_tokens += prefill
@@ -91,11 +92,12 @@ class LoadTracker:
             self._load[r.worker].decode_blocks += nb - r.decode_blocks
             r.decode_blocks = nb
 
-    def finish(self, request_id: str) -> None:
-        """Finished, failed or cancelled: release everything it held (idempotent)."""
+    def finish(self, request_id: str) -> int | None:
+        """Finished, failed or cancelled: release everything it held (idempotent). Returns the
+        request's output tokens (None if it was not tracked)."""
         r = self._reqs.pop(request_id, None)
         if r is None:
-            return
+            return None
         self._released[r.worker] = self._clock()
         wl = self._load[r.worker]
         wl.prefill_tokens -= r.prefill_tokens
@@ -103,6 +105,7 @@ class LoadTracker:
         wl.requests -= 1
         if wl.requests == 0:
             del self._load[r.worker]
+        return r.total_tokens - r.prompt_tokens
 
     def sweep(self) -> int:
         """Drop requests older than ``request_ttl`` (a lost finish must not load a worker forever)."""
@@ -143,6 +146,18 @@ class LoadTracker:
         own = wl.decode_blocks if wl else 0
         rep = self._fresh_report(worker, load=True)
         return max(own, rep.active_kv_blocks) if rep else own
+
+    def running(self, worker: Worker) -> int:
+        """Streams on the worker: ours, or all its report counts (other frontends' too) while fresh."""
+        wl = self._load.get(worker)
+        own = wl.requests if wl else 0
+        rep = self._fresh_report(worker, load=True)
+        return max(own, rep.num_running + rep.num_waiting) if rep else own
+
+    def capacity_tokens(self, worker: Worker) -> int | None:
+        """The worker's KV capacity in tokens, as its latest report tells (None before one)."""
+        item = self._reports.get(worker)
+        return item[1].total_kv_blocks * self.block_size if item and item[1].total_kv_blocks else None
 
     def kv_usage(self, worker: Worker) -> float | None:
         """The worker's reported KV usage fraction (None without a fresh report)."""

@@ -44,6 +44,13 @@ class RouterMetrics:
         self.hit_rate = Gauge("router_prefix_hit_rate",
                               "Cumulative hit_blocks / request_blocks", registry=reg)
         self.decisions = Counter("router_decisions_total", "Routing decisions", ["mode"], registry=reg)
+        self.session_affinity = Counter(
+            "router_session_affinity_total",
+            "Requests naming a session (x-dynamo-session-id): kept on its bound worker, moved off an "
+            "overloaded or gone one, or the session's first", ["outcome"], registry=reg)
+        self.predicted_ttft = Histogram(
+            "router_predicted_ttft_seconds", "The latency model's TTFT prediction for the chosen worker",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=reg)
         self._req = 0
         self._hit = 0
 

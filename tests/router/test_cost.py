@@ -1,4 +1,6 @@
-"""Cost function and selection: lowest cost, tie-breaks, softmax, busy exclusion, block-size mismatch."""
+"""The weighted cost (the ``prefill_load_scale`` override) and what both cost models share:
+lowest cost, tie-breaks, softmax, busy exclusion, block-size mismatch. The latency model's own
+tests are in test_latency.py."""
 
 import logging
 import random
@@ -29,6 +31,7 @@ class View:
 
 
 def _sel(**kw):
+    kw.setdefault("prefill_load_scale", 1.0)  # the weighted cost these tests are about
     return CostSelector(RouterConfig(block_size=BS, **kw), metrics=RouterMetrics(), rng=random.Random(0))
 
 
