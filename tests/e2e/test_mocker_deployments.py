@@ -18,6 +18,7 @@ import nats
 import pytest
 from openai import APIError, AsyncOpenAI, OpenAI
 
+from actors.frontend.responses import SESSION_HEADER
 from tests.e2e.conftest import PREFILL_HEADER, WORKER_HEADER, Deployment, boot, http_json, http_text, shutdown
 from tests.helpers import openai_client, registry, srv_ping
 
@@ -300,6 +301,22 @@ class TestMockerDisagg:
             usage = list(r)[-1].usage if stream else r.usage
             assert usage.completion_tokens == 8
 
+    def test_a_session_header_keeps_a_session_on_one_decode_worker(self, disagg: Deployment) -> None:
+        c = client(disagg)
+
+        def decode_of(i: int, session: str | None) -> str:
+            raw = c.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": f"unrelated question {i}: " + f"q{i} " * 60}],
+                max_tokens=2, extra_body=NO_EOS, extra_headers={SESSION_HEADER: session} if session else None)
+            return raw.headers[WORKER_HEADER]
+
+        # unrelated prompts (no cached prefix to follow): without a session they spread over both
+        # decode workers (equal predicted latency, the emptier cache first)
+        assert len({decode_of(i, None) for i in range(6)}) == 2
+        # with x-dynamo-session-id they stay on the session's worker (it is never overloaded here)
+        assert len({decode_of(100 + i, "agent-7") for i in range(6)}) == 1
+        assert len({decode_of(200 + i, "agent-8") for i in range(6)}) == 1
+
     async def test_srv_ping_and_the_frontends_router_endpoints(self, disagg: Deployment) -> None:
         nc = await nats.connect(disagg.bus_url)
         try:
@@ -308,6 +325,9 @@ class TestMockerDisagg:
         finally:
             await nc.close()
         assert stats["ready"] is True and stats["block_size"] == 16, stats
+        # priced by predicted latency, from step lines learned off the decode workers' load reports
+        assert stats["cost_model"] == "latency", stats
+        assert any(w["steps"] > 0 for w in stats["latency"]["workers"].values()), stats["latency"]
         # the KV router's ns.router.* endpoints are the frontend's: no separate "router" service
         assert {"frontend", "engine", "kv_publisher", "health", "supervisor"} <= set(names), names
         assert "router" not in names
