@@ -80,6 +80,9 @@ class _Window(abc.ABC):
         except Exception as e:  # a fit that fails must not stop the planner: it says so instead
             self.last_fallback = f"{self.kind} fit failed ({type(e).__name__}: {e}): last value"
             return last
+        # a ResourceWarning is the garbage collector finalising some other object (an unclosed socket)
+        # while the fit ran, not a word about the fit
+        caught = [w for w in caught if not issubclass(w.category, ResourceWarning)]
         if caught:
             w = caught[0]
             self.last_fallback = f"{self.kind} fit warned ({w.category.__name__}: {w.message}): last value"
