@@ -95,10 +95,6 @@ class StepFit:
         self.max_prefill = 0  # the largest prefill a step was seen to take: the engine's chunk
         self._line: StepLine | None = prior
 
-    def set_prior(self, prior: StepLine) -> None:
-        self._prior = prior.as_vector()
-        self._line = None
-
     def add(self, samples: Iterable[StepSample]) -> int:
         kept = [s for s in samples
                 if math.isfinite(s.elapsed_ms) and s.elapsed_ms >= 0 and (s.prefill_tokens or s.decode_requests)]
