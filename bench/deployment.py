@@ -2,12 +2,16 @@
 own namespace and run dir, a wait until enough workers are ready, and a stop that leaves none of
 its process tree behind. A mode ``R@S`` runs router ``R`` with ``frontend.prefill_load_scale=S``.
 Everything it starts is this repository's own (the topology file is relative to the repository).
+``BENCH_LOG_LEVEL=DEBUG`` runs the deployment at that log level (the kv router then logs every
+decision with its predicted TTFT per worker) and ``stop`` keeps nothing else; the log is
+``<run dir>/supervisor.log``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pathlib
 import re
 import signal
@@ -38,7 +42,7 @@ class Deployment:
                     "--set", f"bus.port={self.bus_port}",
                     "--set", f"frontend.http=127.0.0.1:{self.http_port}",
                     "--set", f"frontend.router={router}", "--set", f"namespace={self.ns}",
-                    "--set", f"run_dir={self.run_dir}", "--log-level", "WARNING"]
+                    "--set", f"run_dir={self.run_dir}", "--log-level", os.environ.get("BENCH_LOG_LEVEL", "WARNING")]
         if scale:
             self.cmd += ["--set", f"frontend.prefill_load_scale={float(scale)}"]
         self.proc: subprocess.Popen[bytes] | None = None

@@ -202,7 +202,8 @@ class Dynamo(Stack):
     """up.sh's commands with the HTTP and NATS ports made free ones (up.sh hard-codes 8000)."""
 
     def __init__(self, mode: str, workers: int, logdir: Path, venv: Path, model_dir: Path,
-                 speedup: str = "1000000") -> None:
+                 speedup: str = "1000000", mocker_args: tuple[str, ...] = ()) -> None:
+        # mocker_args: more ``dynamo.mocker`` flags (a repeated flag's last value wins)
         self.port = free_port()
         nats_port = free_port()
         env = dict(os.environ, DYN_DISCOVERY_BACKEND="file", DYN_FILE_KV=str(logdir / "kv"),
@@ -225,7 +226,7 @@ class Dynamo(Stack):
                                 "--http-port", str(self.port), "--router-mode", mode])
         mk = spawn("mocker", [py, "-m", "dynamo.mocker", "--model-path", str(model_dir),
                               "--model-name", "tiny", "--num-workers", str(workers),
-                              "--speedup-ratio", speedup, "--block-size", "16"])
+                              "--speedup-ratio", speedup, "--block-size", "16", *mocker_args])
         self.procs = [nats, fe, mk]
         self.frontend_pid = fe.pid
         self.cmd = fe.args + ["&&"] + mk.args

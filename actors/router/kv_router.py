@@ -91,10 +91,12 @@ class KvRouter:
         if book:
             self._book(seqs, real, decision, len(tokens), request_id)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("route %s -> %s/%d overlap=%d/%d cost=%.2f costs=%s", request_id,
+            log.debug("route %s -> %s/%d overlap=%d/%d cost=%.2f costs (instance, rank, overlap, cost, "
+                      "predicted TTFT ms)=%s", request_id,
                       decision.instance, decision.dp_rank, decision.overlap_blocks,
                       decision.request_blocks, decision.cost,
-                      [(c.instance, c.dp_rank, c.overlap_blocks, round(c.cost, 2)) for c in decision.costs])
+                      [(c.instance, c.dp_rank, c.overlap_blocks, round(c.cost, 2),
+                        None if c.ttft_ms is None else round(c.ttft_ms, 2)) for c in decision.costs])
         return decision
 
     def _affinity(self, session: str, decision: RoutingDecision, book: bool) -> RoutingDecision:
