@@ -128,6 +128,7 @@ class CostSelector:
         busy: list[str] = []
         costs: list[WorkerCost] = []
         scale = cfg.prefill_load_scale
+        eligible: list[tuple[Worker, int, bool]] = []
         for w in workers:
             if cfg.busy_threshold is not None:
                 usage = load.kv_usage(w)
@@ -135,7 +136,11 @@ class CostSelector:
                     busy.append(f"{w[0]}/{w[1]}")
                     continue
             mismatch = self._mismatch(w, index, block_sizes)
-            overlap = 0 if mismatch else overlaps.get(w, 0)
+            eligible.append((w, 0 if mismatch else overlaps.get(w, 0), mismatch))
+        # latency mode: the prefill a worker would compute beyond what the best-cached one would is
+        # avoidable work (see actors.router.latency)
+        best_overlap = max((o for _, o, _ in eligible), default=0)
+        for w, overlap, mismatch in eligible:
             queued = load.prefill_tokens(w)
             prefill = req_blocks - overlap + queued / bs
             decode = load.decode_blocks(w)
@@ -144,7 +149,9 @@ class CostSelector:
                 continue
             state = WorkerState(queued_prefill=queued, kv_tokens=decode * bs, running=load.running(w),
                                 capacity_tokens=load.capacity_tokens(w) or self.latency.capacity(w))
-            est = self.latency.estimate(w, state, request_tokens, max(0, request_tokens - overlap * bs))
+            uncached = max(0, request_tokens - overlap * bs)
+            wasted = min(uncached, (best_overlap - overlap) * bs)
+            est = self.latency.estimate(w, state, request_tokens, uncached, wasted)
             costs.append(WorkerCost(w[0], w[1], overlap, prefill, decode, est.cost, mismatch,
                                     est.ttft_ms, est.stream_cost_ms, est.source))
         if not costs:
