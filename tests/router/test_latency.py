@@ -220,3 +220,42 @@ def test_bindings_expire_and_are_bounded() -> None:
     now[0] = 100.0
     aff.bind("late", C)  # every older binding has expired: cleared by this bind
     assert len(aff) == 1
+
+
+def test_with_nothing_cached_a_short_queue_beats_few_running_streams() -> None:
+    """Prompts that share nothing: only the TTFT and the decode ITL count, so a worker whose streams
+    are all decoding takes the request over an idle-looking one with prefills queued."""
+    line = StepLine(5.0, 15.0, 0.015, 0.0005)
+    r = router()
+    for w in (A, B):
+        r.reconcile(report(w, samples(line)))
+    for i in range(6):  # a: six streams past their prefill
+        r.load.add_request(f"a{i}", A, 512)
+        r.load.first_token(f"a{i}")
+    for i in range(3):  # b: three prefills of 2k tokens still queued
+        r.load.add_request(f"b{i}", B, 2048)
+    d = r.route(tokens(4, 64), [A, B], book=False)
+    by = {c.instance: c for c in d.costs}
+    assert d.worker == A and by["a"].ttft_ms < by["b"].ttft_ms
+    # the decode ITL it adds to a's six streams is charged, and nothing else
+    assert by["a"].stream_cost_ms == pytest.approx(6 * r.latency.line(A)[0].per_kv * 64 * BS)
+
+
+def test_the_prefill_another_worker_would_skip_is_charged_to_the_streams_it_stalls() -> None:
+    line = StepLine(5.0, 15.0, 0.015, 0.0005)
+    r = router()
+    for w in (A, B):
+        r.reconcile(report(w, samples(line)))
+    prefix = tokens(21, 64)
+    first = r.route(prefix, [A, B], request_id="p")
+    r.finish("p")
+    other = B if first.worker == A else A
+    for i in range(4):
+        r.load.add_request(f"o{i}", other, 256)
+        r.load.first_token(f"o{i}")
+    d = r.route(prefix + tokens(22, 4), [A, B], book=False)
+    by = {c.instance: c for c in d.costs}
+    fitted = r.latency.line(other)[0]
+    per_kv_part = 4 * fitted.per_kv * 68 * BS
+    assert by[other[0]].stream_cost_ms == pytest.approx(per_kv_part + 4 * fitted.per_prefill * 64 * BS)
+    assert by[first.instance].stream_cost_ms == 0 and d.worker == first.worker
