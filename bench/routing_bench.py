@@ -105,6 +105,7 @@ from bench.docs_section import write_section  # noqa: E402
 from bench.frontend_bench import Dynamo  # noqa: E402
 from bench.prefix_sim import fixed_chooser, oracle_chooser, replay  # noqa: E402
 from bench.shared_prefix import WORDS, build_workload, pct, scrape_router_hit_rate, text_tokens, tokenizer  # noqa: E402
+from bench.sse import SseStream  # noqa: E402
 
 TOPOLOGY = "topologies/mocker-kv.toml"
 SECTION = "KV routing: four workloads"
@@ -322,30 +323,22 @@ async def request(http: aiohttp.ClientSession, side: Side, body: dict[str, Any],
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
         worker = r.headers.get("x-worker-instance-id", "")
-        buf = b""
-        async for data in r.content.iter_any():
-            buf += data
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                event = event.strip()
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                msg = json.loads(event[6:])
-                if "error" in msg:
-                    raise RuntimeError(str(msg["error"])[:200])
-                if msg.get("usage"):
-                    usage = msg["usage"]
-                for k, v in (msg.get("nvext") or {}).items():
-                    nvext[k] = v
-                for c in msg.get("choices") or ():
-                    text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
-                if is_token_chunk(msg):
-                    now = time.perf_counter()
-                    if ttft is None:
-                        ttft = now - t0
-                    else:
-                        itls.append(now - last)
-                    last = now
+        async for msg in SseStream().events(r.content):
+            if "error" in msg:
+                raise RuntimeError(str(msg["error"])[:200])
+            if msg.get("usage"):
+                usage = msg["usage"]
+            for k, v in (msg.get("nvext") or {}).items():
+                nvext[k] = v
+            for c in msg.get("choices") or ():
+                text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
+            if is_token_chunk(msg):
+                now = time.perf_counter()
+                if ttft is None:
+                    ttft = now - t0
+                else:
+                    itls.append(now - last)
+                last = now
     if not usage:
         raise RuntimeError("stream ended without usage")
     if not worker and nvext.get("worker_id"):
