@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 Worker = tuple[str, int]
 _EPS = 1e-9
 # latency mode: costs this close to the best are a near-tie (one cached 16-token block is worth
-# ~0.25 ms of prefill at the default rates, 10 ties: a hit is never a tie with a miss)
+# ~0.25 ms of prefill at the default rates, over ten times TIE_MS: a hit is never a tie with a miss)
 TIE_FRACTION = 0.001
 TIE_MS = 0.02
 
