@@ -148,7 +148,7 @@ class CostSelector:
                 costs.append(WorkerCost(w[0], w[1], overlap, prefill, decode, scale * prefill + decode, mismatch))
                 continue
             state = WorkerState(queued_prefill=queued, kv_tokens=decode * bs, running=load.running(w),
-                                capacity_tokens=load.capacity_tokens(w) or self.latency.capacity(w))
+                                capacity_tokens=self.latency.capacity(w))
             uncached = max(0, request_tokens - overlap * bs)
             wasted = min(uncached, (best_overlap - overlap) * bs)
             est = self.latency.estimate(w, state, request_tokens, uncached, wasted)

@@ -263,9 +263,10 @@ class LatencyModel:
         # Its prefill stalls the running streams too, but only the avoidable part is charged: the
         # prefill of tokens another worker holds cached (``wasted``). Charged with all of it, the
         # router sent every new request to the worker running the fewest streams however long its
-        # queue of prefills (TTFT p50 1.7x round robin's on prompts that share nothing); charged
+        # queue of prefills (TTFT p50 1.7-1.8x round robin's on prompts that share nothing, at
+        # a quarter of bench/routing_bench.py's random workload); charged
         # with none, a cache hit was worth only its own TTFT and a queued prefill ahead of it
-        # outweighed it (84 % of the oracle's hit rate on shared prefixes against 97 %).
+        # outweighed it (84 % of the oracle's hit rate on shared prefixes; 99 % with this charge).
         per_stream = line.per_kv * prompt + line.per_prefill * wasted
         return Estimate(ttft, state.running * per_stream, wait, source)
 

@@ -154,11 +154,6 @@ class LoadTracker:
         rep = self._fresh_report(worker, load=True)
         return max(own, rep.num_running + rep.num_waiting) if rep else own
 
-    def capacity_tokens(self, worker: Worker) -> int | None:
-        """The worker's KV capacity in tokens, as its latest report tells (None before one)."""
-        item = self._reports.get(worker)
-        return item[1].total_kv_blocks * self.block_size if item and item[1].total_kv_blocks else None
-
     def kv_usage(self, worker: Worker) -> float | None:
         """The worker's reported KV usage fraction (None without a fresh report)."""
         rep = self._fresh_report(worker)
