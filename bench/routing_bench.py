@@ -104,7 +104,15 @@ from bench.deployment import Deployment  # noqa: E402
 from bench.docs_section import write_section  # noqa: E402
 from bench.frontend_bench import Dynamo  # noqa: E402
 from bench.prefix_sim import fixed_chooser, oracle_chooser, replay  # noqa: E402
-from bench.shared_prefix import WORDS, build_workload, pct, scrape_router_hit_rate, text_tokens, tokenizer  # noqa: E402
+from bench.shared_prefix import (  # noqa: E402
+    WORDS,
+    build_workload,
+    fan_out,
+    pct,
+    scrape_router_hit_rate,
+    text_tokens,
+    tokenizer,
+)
 from bench.sse import SseStream  # noqa: E402
 
 TOPOLOGY = "topologies/mocker-kv.toml"
@@ -351,23 +359,9 @@ async def request(http: aiohttp.ClientSession, side: Side, body: dict[str, Any],
 
 
 async def drive_tokens(side: Side, w: Workload) -> Run:
-    run = Run(results=[None] * w.requests)
-    queue = list(range(w.requests))[::-1]
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300),
-                                     connector=aiohttp.TCPConnector(limit=w.concurrency)) as http:
-        async def client() -> None:
-            while queue:
-                i = queue.pop()
-                try:
-                    run.results[i] = await request(http, side, {"prompt": w.prompts[i], "skip_special_tokens": False},
-                                                   False, w.output_tokens)
-                except Exception as e:  # counted and reported, never silently dropped
-                    run.errors.append(f"request {i}: {e!r}")
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(client() for _ in range(w.concurrency)))
-        run.wall = time.perf_counter() - t0
-    return run
+    return await fan_out(Run(results=[None] * w.requests), w.requests, w.concurrency,
+                         lambda http, i: request(http, side, {"prompt": w.prompts[i], "skip_special_tokens": False},
+                                                 False, w.output_tokens))
 
 
 async def drive_chat(side: Side, w: Workload) -> Run:

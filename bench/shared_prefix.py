@@ -33,7 +33,9 @@ import shutil
 import sys
 import time
 import tomllib
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -149,26 +151,31 @@ async def one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_t
                   completion_tokens=usage.get("completion_tokens", 0), worker=worker)
 
 
-async def drive(url: str, w: Workload, a: argparse.Namespace) -> Run:
-    run = Run(results=[None] * len(w.prompts))
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(len(w.prompts)):
-        queue.put_nowait(i)
-    timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=a.concurrency)) as session:
-        async def worker() -> None:
-            while not queue.empty():
-                i = queue.get_nowait()
+async def fan_out(run: Any, n: int, concurrency: int,
+                  call: Callable[[aiohttp.ClientSession, int], Awaitable[Any]]) -> Any:
+    """Requests 0..n-1 in order from ``concurrency`` clients: ``run.results[i] = await call(http, i)``,
+    a failure appended to ``run.errors`` (counted and reported, never silently dropped), ``run.wall``
+    the seconds it all took. ``run``: any object with those three fields (the benches' ``Run``)."""
+    queue = list(range(n))[::-1]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300),
+                                     connector=aiohttp.TCPConnector(limit=concurrency)) as http:
+        async def client() -> None:
+            while queue:
+                i = queue.pop()
                 try:
-                    run.results[i] = await one(session, url, w.prompts[i], a.output_tokens)
-                except Exception as e:  # counted and reported, never silently dropped
+                    run.results[i] = await call(http, i)
+                except Exception as e:
                     run.errors.append(f"request {i}: {e!r}")
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(a.concurrency)))
+        await asyncio.gather(*(client() for _ in range(concurrency)))
         run.wall = time.perf_counter() - t0
     return run
+
+
+async def drive(url: str, w: Workload, a: argparse.Namespace) -> Run:
+    return await fan_out(Run(results=[None] * len(w.prompts)), len(w.prompts), a.concurrency,
+                         lambda http, i: one(http, url, w.prompts[i], a.output_tokens))
 
 
 async def scrape_router_hit_rate(url: str) -> float | None:
