@@ -111,6 +111,24 @@ def test_prefix_hit_on_repeated_prompt() -> None:
     assert r3.cached_tokens == 8
 
 
+def test_a_request_hits_the_prefix_another_computes_in_the_same_step() -> None:
+    """vLLM v1 caches blocks when it schedules them (allocate_slots): the second of two requests
+    with the same prefix, admitted in the same step, computes only what the first does not."""
+    s = make_sched()
+    prefix = list(range(1, 17))  # 4 full blocks
+    a, b = req("a", prefix + [50, 51]), req("b", prefix + [60, 61])
+    s.add(a)
+    s.add(b)
+    first = s.step()
+    assert first.scheduled == {"a": 18, "b": 2}
+    assert first.prefill_tokens == 20
+    assert a.cached_tokens == 0 and b.cached_tokens == 16
+    stored = [h for e in s.pool.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored == a.block_hashes[:4]  # announced once, by the request that computes them
+    run_to_end(s)
+    assert len(a.output) == len(b.output) == 4
+
+
 def test_chunked_prefill_spreads_long_prompt_over_steps() -> None:
     s = make_sched(budget=16)
     r = req("long", list(range(50)), max_tokens=2)

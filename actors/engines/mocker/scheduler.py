@@ -10,8 +10,14 @@ One ``step()`` (vLLM's unified scheduling, FCFS):
    prefix-cache lookup (full blocks, at most ``num_tokens - 1`` tokens, like vLLM), plus any
    remote (disaggregated) KV, then the rest of the prompt as one chunk (or the whole prompt when
    chunked prefill is off).
-3. Blocks that become full are cached (``BlockStored``). Every request whose computed tokens now
-   reach its length samples one token (EOS / stop ids / max_tokens / max_model_len end it).
+3. Every request whose computed tokens now reach its length samples one token (EOS / stop ids /
+   max_tokens / max_model_len end it).
+
+Blocks are cached (``BlockStored``) when they are *scheduled* full, before the step computes them,
+as vLLM v1's ``KVCacheManager.allocate_slots`` does (it caches up to the computed + new tokens): a
+request admitted later in the same step hits the prefix an earlier one is computing in it, the KV
+being written in the same forward pass before it is read. Caching only after the step would make
+two requests with the same prefix that arrive together both compute it, which vLLM does not.
 
 The scheduler is synchronous and knows nothing about time or asyncio; the engine loop drives it.
 """
@@ -216,6 +222,7 @@ class Scheduler:
                     break
             if not ok:
                 break
+            self._cache_full_blocks(req, req.num_computed + num_new)
             scheduled.append((req, num_new))
             budget -= num_new
             i += 1
@@ -231,7 +238,6 @@ class Scheduler:
                 res.num_decode += 1
             res.scheduled[req.request_id] = num_new
             req.num_computed += num_new
-            self._cache_full_blocks(req, req.num_computed)
             if req.num_computed >= req.num_tokens:
                 tok = self.sample(req)
                 req.output.append(tok)
@@ -277,6 +283,7 @@ class Scheduler:
             if remote:  # simulated hand-off: the KV is just there, no compute
                 req.num_computed += remote
                 self._cache_full_blocks(req, req.num_computed)
+            self._cache_full_blocks(req, req.num_computed + num_new)  # before the next one's lookup
             self.running.append(req)
             if req.lora_name:
                 loras.add(req.lora_name)
