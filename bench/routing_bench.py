@@ -293,6 +293,8 @@ class Result:
     worker: str
     text: str
     router_hit: float | None  # Dynamo's nvext.timing.kv_hit_rate (its router's prediction)
+    response_id: str = ""  # the response's id: joins a request with the router's debug log
+    sent: float = 0.0  # time.perf_counter() when it was sent
 
 
 @dataclass
@@ -327,6 +329,7 @@ async def request(http: aiohttp.ClientSession, side: Side, body: dict[str, Any],
     usage: dict[str, Any] = {}
     text: list[str] = []
     nvext: dict[str, Any] = {}
+    response_id = ""
     async with http.post(side.url + path, json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
@@ -336,6 +339,7 @@ async def request(http: aiohttp.ClientSession, side: Side, body: dict[str, Any],
                 raise RuntimeError(str(msg["error"])[:200])
             if msg.get("usage"):
                 usage = msg["usage"]
+            response_id = response_id or str(msg.get("id") or "")
             for k, v in (msg.get("nvext") or {}).items():
                 nvext[k] = v
             for c in msg.get("choices") or ():
@@ -355,7 +359,7 @@ async def request(http: aiohttp.ClientSession, side: Side, body: dict[str, Any],
     return Result(ttft=ttft if ttft is not None else float("nan"), itls=itls,
                   prompt_tokens=usage.get("prompt_tokens") or 0, cached_tokens=details.get("cached_tokens") or 0,
                   completion_tokens=usage.get("completion_tokens") or 0, worker=worker, text="".join(text),
-                  router_hit=(nvext.get("timing") or {}).get("kv_hit_rate"))
+                  router_hit=(nvext.get("timing") or {}).get("kv_hit_rate"), response_id=response_id, sent=t0)
 
 
 async def drive_tokens(side: Side, w: Workload) -> Run:
@@ -522,7 +526,9 @@ async def run_one(w: Workload, side_name: str, a: argparse.Namespace, topo: Topo
         run.errors.append(f"{side_name}: {e!r}")
     finally:
         ok = sum(1 for r in run.results if r is not None)
-        side.stop(keep_logs=ok < w.requests)
+        side.stop(keep_logs=a.keep_logs or ok < w.requests)
+    if a.keep_logs:
+        print(f"  [{side_name}] logs kept in {side.logs}", file=sys.stderr)
     if ok < w.requests:
         print(f"  [{side_name}] {w.requests - ok} requests failed; logs kept in {side.logs}", file=sys.stderr)
     s = summarize(w, side_name, run, topo, predicted)
@@ -558,6 +564,10 @@ def summarize(w: Workload, side: str, run: Run, topo: Topo, predicted: float | N
         "router_predicted_hit_rate": predicted, "assignment": assignment,
         # per request in workload order (multi_turn: session-major), for the JSON; None = failed
         "ttft_ms": [None if r is None else round(1e3 * r.ttft, 2) for r in run.results],
+        "cached_tokens": [None if r is None else r.cached_tokens for r in run.results],
+        "prompt_tokens": [None if r is None else r.prompt_tokens for r in run.results],
+        "response_ids": [None if r is None else r.response_id for r in run.results],
+        "sent_s": [None if r is None else round(r.sent - min(x.sent for x in ok), 4) for r in run.results],
     }
     if w.chat:
         out.update(multi_turn_oracle(w, run.results, topo))
@@ -770,6 +780,8 @@ def main() -> int:
     p.add_argument("--dynamo-venv", type=pathlib.Path,
                    default=pathlib.Path(os.environ["DYNVV"]) if os.environ.get("DYNVV") else None,
                    help="Dynamo's virtualenv (bin/python, bin/nats-server); default $DYNVV")
+    p.add_argument("--keep-logs", action="store_true",
+                   help="keep every run's logs (with BENCH_LOG_LEVEL=DEBUG: each routing decision)")
     p.add_argument("--json", type=pathlib.Path, help="write the raw results here")
     p.add_argument("--write", type=pathlib.Path, help="update the section of this markdown file")
     a = p.parse_args()
