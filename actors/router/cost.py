@@ -3,10 +3,11 @@
 **Latency (the default).** Each candidate is priced by ``actors.router.latency``: the TTFT this
 request would see there plus the delay it would add to the streams the worker already runs, in
 milliseconds of that worker's measured step times (learned from its load reports). The lowest
-wins. Near-ties (within a few ``tie`` = max(``TIE_MS``, ``TIE_FRACTION`` × best)) go to the workers
-with the fewest cached blocks (new prefixes spread onto emptier caches), then are sampled with
-softmax weights exp(−(cost − best)/tie), as Dynamo samples its router's logits: equal workers share
-new work instead of the first one taking it all.
+wins, give or take what the model cannot tell apart: a worker is sampled with softmax weights
+exp(−(cost − best)/T), as Dynamo samples its router's logits, where T is the spread of the model's own
+TTFT error (actual − predicted, learned from every first token; see ``PredictionError``) and at least
+a near-tie ``tie`` = max(``TIE_MS``, ``TIE_FRACTION`` × best). Among near-ties the workers with the
+fewest cached blocks are preferred (new prefixes spread onto emptier caches).
 
 **Weights (when ``prefill_load_scale`` is set).** cost = prefill_load_scale × new_prefill_blocks +
 active_decode_blocks, where ``new_prefill_blocks = request_blocks − overlap_blocks + active_prefill_tokens / block_size``
@@ -167,19 +168,28 @@ class CostSelector:
                                cost_model="weights" if scale is not None else "latency")
 
     def _near_tie(self, costs: list[WorkerCost], index: IndexView) -> WorkerCost:
-        """The cheapest, or one of those within a near-tie of it: of those, the ones with the fewest
-        cached blocks (new prefixes spread onto emptier caches), then by softmax weight."""
+        """A worker sampled with softmax weights exp(−(cost − best)/T). Workers whose caches hold as
+        much of the prompt as the cheapest one's are sampled with T = the latency model's prediction
+        error (its spread: ``LatencyModel.error``): what sets them apart is load, which the model
+        predicts only that well. The others take part only within a near-tie (T = ``tie``): what
+        a cache hit saves is known exactly. Of workers within a near-tie of the cheapest, only those
+        with the fewest cached blocks take part (new prefixes spread onto emptier caches)."""
         if len(costs) == 1:
             return costs[0]
-        best = min(c.cost for c in costs)
+        cheapest = min(costs, key=lambda c: c.cost)
+        best = cheapest.cost
         tie = max(TIE_MS, TIE_FRACTION * best)
-        near = [c for c in costs if c.cost - best <= 4 * tie]  # farther ones would weigh < 2 %
-        if len(near) > 1:
-            fewest = min(index.worker_blocks((c.instance, c.dp_rank)) for c in near)
-            near = [c for c in near if index.worker_blocks((c.instance, c.dp_rank)) == fewest]
+        spread = max(tie, self.latency.error.spread_ms)
+        temp = {id(c): spread if c.overlap_blocks == cheapest.overlap_blocks else tie for c in costs}
+        near = [c for c in costs if c.cost - best <= 4 * temp[id(c)]]  # farther ones would weigh < 2 %
+        tied = [c for c in near if c.cost - best <= 4 * tie]
+        if len(tied) > 1:
+            blocks = {id(c): index.worker_blocks((c.instance, c.dp_rank)) for c in tied}
+            fewest = min(blocks.values())
+            near = [c for c in near if blocks.get(id(c), fewest) == fewest]
         if len(near) == 1:
             return near[0]
-        weights = [math.exp(-(c.cost - best) / tie) for c in near]
+        weights = [math.exp(-(c.cost - best) / temp[id(c)]) for c in near]
         return self.rng.choices(near, weights=weights, k=1)[0]
 
     def _argmin(self, costs: list[WorkerCost], index: IndexView) -> WorkerCost:

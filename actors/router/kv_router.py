@@ -34,6 +34,7 @@ from actors.worker.contract import LoadReport
 log = logging.getLogger(__name__)
 
 Worker = tuple[str, int]
+MAX_PENDING = 100_000  # routed requests whose first token is awaited (for the prediction error)
 
 
 class KvRouter:
@@ -53,6 +54,9 @@ class KvRouter:
         self.latency = LatencyModel()
         self.selector = CostSelector(config, metrics=self.metrics, rng=rng, latency=self.latency)
         self.sessions = SessionAffinity(session_ttl, clock=clock)
+        self._clock = clock
+        # request id -> (predicted TTFT ms, when routed): the model's error, measured at its first token
+        self._predicted: dict[str, tuple[float, float]] = {}
         self._auto_id = 0
         self._decisions: dict[str, Any] = {}  # mode -> labelled counter child (.labels() costs more than .inc())
 
@@ -91,10 +95,10 @@ class KvRouter:
         if book:
             self._book(seqs, real, decision, len(tokens), request_id)
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("route %s -> %s/%d overlap=%d/%d cost=%.2f costs (instance, rank, overlap, cost, "
-                      "predicted TTFT ms)=%s", request_id,
+            log.debug("route %s -> %s/%d overlap=%d/%d cost=%.2f temperature=%.1fms costs (instance, rank, "
+                      "overlap, cost, predicted TTFT ms)=%s", request_id,
                       decision.instance, decision.dp_rank, decision.overlap_blocks,
-                      decision.request_blocks, decision.cost,
+                      decision.request_blocks, decision.cost, self.latency.error.spread_ms,
                       [(c.instance, c.dp_rank, c.overlap_blocks, round(c.cost, 2),
                         None if c.ttft_ms is None else round(c.ttft_ms, 2)) for c in decision.costs])
         return decision
@@ -139,6 +143,11 @@ class KvRouter:
             request_id = f"auto-{self._auto_id}"
         w = decision.worker
         self.load.add_request(request_id, w, n_tokens, decision.overlap_blocks)
+        chosen = next((c for c in decision.costs if (c.instance, c.dp_rank) == w), None)
+        if chosen is not None and chosen.ttft_ms is not None:
+            if len(self._predicted) >= MAX_PENDING:  # finishes lost: forget the oldest
+                del self._predicted[next(iter(self._predicted))]
+            self._predicted[request_id] = (chosen.ttft_ms, self._clock())
         if isinstance(self.index, ApproxIndex):
             self.index.record(w, seqs)
             return
@@ -182,11 +191,18 @@ class KvRouter:
 
     def first_token(self, request_id: str) -> None:
         self.load.first_token(request_id)
+        pred = self._predicted.pop(request_id, None)
+        if pred is not None:
+            err = self.latency.error
+            err.observe(1e3 * (self._clock() - pred[1]), pred[0])
+            self.metrics.error_bias.set(err.bias_ms / 1e3)
+            self.metrics.error_spread.set(err.spread_ms / 1e3)
 
     def add_output_tokens(self, request_id: str, n: int) -> None:
         self.load.add_output_tokens(request_id, n)
 
     def finish(self, request_id: str) -> None:
+        self._predicted.pop(request_id, None)
         out = self.load.finish(request_id)
         if out:
             self.latency.observe_output(out)

@@ -51,6 +51,12 @@ class RouterMetrics:
         self.predicted_ttft = Histogram(
             "router_predicted_ttft_seconds", "The latency model's TTFT prediction for the chosen worker",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0), registry=reg)
+        error = Gauge(
+            "router_ttft_prediction_error_seconds",
+            "The latency model's TTFT error (actual - predicted, newest ~100 requests): its mean (bias) and "
+            "standard deviation (spread, the temperature the router samples equally cached workers with)",
+            ["stat"], registry=reg)
+        self.error_bias, self.error_spread = error.labels("bias"), error.labels("spread")
         self._req = 0
         self._hit = 0
 

@@ -11,7 +11,7 @@ from actors.engines.protocol import StepSample
 from actors.router.affinity import SessionAffinity
 from actors.router.cost import RouterConfig
 from actors.router.kv_router import KvRouter
-from actors.router.latency import LatencyModel, StepFit, StepLine, WorkerState, default_line
+from actors.router.latency import LatencyModel, PredictionError, StepFit, StepLine, WorkerState, default_line
 from actors.worker.contract import LoadReport
 
 BS = 16
@@ -91,6 +91,7 @@ def test_workers_rank_by_their_own_measured_prefill_rate() -> None:
     d = r.route(prompt, [A, B], book=False)
     assert d.worker == B
     by = {c.instance: c for c in d.costs}
+    assert by["b"].cost < by["a"].cost
     assert by["a"].line == by["b"].line == "worker"
     assert by["a"].ttft_ms - by["b"].ttft_ms == pytest.approx(0.04 * 1024, rel=0.1)
     # the same samples the other way round: the choice follows them
@@ -259,3 +260,66 @@ def test_the_prefill_another_worker_would_skip_is_charged_to_the_streams_it_stal
     per_kv_part = 4 * fitted.per_kv * 68 * BS
     assert by[other[0]].stream_cost_ms == pytest.approx(per_kv_part + 4 * fitted.per_prefill * 64 * BS)
     assert by[first.instance].stream_cost_ms == 0 and d.worker == first.worker
+
+
+# --- sampling within the model's own error ------------------------------------------------------------
+def test_the_prediction_error_is_a_bias_and_a_spread() -> None:
+    err = PredictionError(alpha=0.01)
+    assert err.spread_ms == 0.0  # nothing measured: the predictions are trusted
+    for actual, predicted in [(30.0, 20.0), (40.0, 20.0), (50.0, 20.0)]:  # residuals 10, 20, 30
+        err.observe(actual, predicted)
+    assert err.bias_ms == pytest.approx(20.0)
+    assert err.spread_ms == pytest.approx((200 / 3) ** 0.5)  # their standard deviation
+    err.observe(float("nan"), 1.0)
+    assert err.samples == 3
+    for i in range(400):  # then the newest ~100 count
+        err.observe(100.0 + (5.0 if i % 2 else -5.0), 80.0)
+    assert err.bias_ms == pytest.approx(20.0, abs=0.5) and err.spread_ms == pytest.approx(5.0, rel=0.1)
+
+
+def test_the_router_measures_its_error_at_each_first_token() -> None:
+    clock = [100.0]
+    r = KvRouter(RouterConfig(block_size=BS), rng=random.Random(0), clock=lambda: clock[0])
+    for w in (A, B):
+        r.reconcile(report(w, samples(StepLine(5.0, 15.0, 0.015, 0.0005))))
+    for i, late_ms in enumerate((10.0, 30.0)):
+        d = r.route(tokens(40 + i, 32), [A, B], request_id=f"q{i}")
+        predicted = next(c.ttft_ms for c in d.costs if (c.instance, c.dp_rank) == d.worker)
+        clock[0] += (predicted + late_ms) / 1e3
+        r.first_token(f"q{i}")
+        r.finish(f"q{i}")
+    err = r.latency.error
+    assert err.samples == 2
+    assert err.bias_ms == pytest.approx(20.0, abs=0.01) and err.spread_ms == pytest.approx(10.0, abs=0.01)
+    r.route(tokens(50, 8), [A, B], request_id="lost")
+    r.finish("lost")  # finished without a first token (failed): nothing to measure
+    r.first_token("lost")
+    assert err.samples == 2
+
+
+def test_loads_the_model_cannot_tell_apart_are_sampled_but_cached_prefixes_are_not() -> None:
+    line = StepLine(5.0, 15.0, 0.015, 0.0005)
+    r = router()
+    for w in (A, B, C):
+        r.reconcile(report(w, samples(line)))
+    r.load.add_request("c0", C, 256)  # c: a short prefill queued, dearer by about one prefill step
+    fresh = tokens(60, 64)
+
+    def picks(n: int, prompt: list[int] = fresh) -> list[str]:
+        return [r.route(prompt, [A, B, C], book=False).instance for _ in range(n)]
+
+    assert set(picks(300)) == {"a", "b"}  # nothing measured yet: the cheapest (a tie, so both of them)
+    for _ in range(400):  # the predictions turn out right
+        r.latency.observe_ttft(50.0, 50.0)
+    assert set(picks(300)) == {"a", "b"}
+    for i in range(400):  # the predictions turn out off by ±15 ms
+        r.latency.observe_ttft(50.0 + (15.0 if i % 2 else -15.0), 50.0)
+    assert r.latency.error.spread_ms == pytest.approx(15.0, rel=0.05)
+    noisy = picks(600)
+    assert set(noisy) == {"a", "b", "c"} and noisy.count("c") < noisy.count("a")
+    # a prefix cached on c alone: the saving is exact, not sampled away, even when smaller than the spread
+    r.load.finish("c0")
+    prefix = tokens(61, 40)  # 640 tokens: ~10 ms of prefill saved, less than the 15 ms spread
+    r.route(prefix, [C], request_id="warm")
+    r.finish("warm")
+    assert set(picks(300, prefix + tokens(62, 4))) == {"c"}
