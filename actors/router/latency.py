@@ -155,7 +155,7 @@ class PredictionError:
     sampling within the model's own error lets the workers drift apart, as round robin's imbalance
     does. Until two TTFTs are measured the spread is 0: the router trusts its predictions, so a
     burst at a cold start is spread evenly (a prior of one default prefill step, 38.7 ms, sampled
-    that burst unevenly: no better where prompt lengths vary, worse where they are equal)."""
+    that burst unevenly: hardly better where prompt lengths vary, worse where they are equal)."""
 
     def __init__(self, alpha: float = ERROR_ALPHA) -> None:
         self.alpha = alpha
