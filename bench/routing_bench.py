@@ -113,7 +113,7 @@ from bench.shared_prefix import (  # noqa: E402
     text_tokens,
     tokenizer,
 )
-from bench.sse import SseStream  # noqa: E402
+from bench.sse import SseStream, TokenClock  # noqa: E402
 
 TOPOLOGY = "topologies/mocker-kv.toml"
 SECTION = "KV routing: four workloads"
@@ -322,10 +322,7 @@ async def request(http: aiohttp.ClientSession, side: Side, body: dict[str, Any],
     body = {"model": "tiny", **body, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}, **side.extra_body}
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    last = 0.0
-    itls: list[float] = []
+    clock = TokenClock()
     usage: dict[str, Any] = {}
     text: list[str] = []
     nvext: dict[str, Any] = {}
@@ -345,21 +342,17 @@ async def request(http: aiohttp.ClientSession, side: Side, body: dict[str, Any],
             for c in msg.get("choices") or ():
                 text.append(c.get("text") or (c.get("delta") or {}).get("content") or "")
             if is_token_chunk(msg):
-                now = time.perf_counter()
-                if ttft is None:
-                    ttft = now - t0
-                else:
-                    itls.append(now - last)
-                last = now
+                clock.tick()
     if not usage:
         raise RuntimeError("stream ended without usage")
     if not worker and nvext.get("worker_id"):
         worker = str(nvext["worker_id"].get("decode_worker_id") or "")
     details = usage.get("prompt_tokens_details") or {}
-    return Result(ttft=ttft if ttft is not None else float("nan"), itls=itls,
+    return Result(ttft=clock.ttft, itls=clock.itls,
                   prompt_tokens=usage.get("prompt_tokens") or 0, cached_tokens=details.get("cached_tokens") or 0,
                   completion_tokens=usage.get("completion_tokens") or 0, worker=worker, text="".join(text),
-                  router_hit=(nvext.get("timing") or {}).get("kv_hit_rate"), response_id=response_id, sent=t0)
+                  router_hit=(nvext.get("timing") or {}).get("kv_hit_rate"), response_id=response_id,
+                  sent=clock.sent)
 
 
 async def drive_tokens(side: Side, w: Workload) -> Run:
@@ -544,6 +537,7 @@ def summarize(w: Workload, side: str, run: Run, topo: Topo, predicted: float | N
     burst = {s * w.turns for s in range(w.concurrency)} if w.chat else set(range(w.concurrency))
     steady = [r.ttft for i, r in enumerate(run.results) if r is not None and i not in burst]
     prompt = sum(r.prompt_tokens for r in ok)
+    first_sent = min((r.sent for r in ok), default=0.0)
     assignment = [r.worker if r is not None else "" for r in run.results]
     per_worker = None
     max_over_fair = float("nan")
@@ -567,7 +561,7 @@ def summarize(w: Workload, side: str, run: Run, topo: Topo, predicted: float | N
         "cached_tokens": [None if r is None else r.cached_tokens for r in run.results],
         "prompt_tokens": [None if r is None else r.prompt_tokens for r in run.results],
         "response_ids": [None if r is None else r.response_id for r in run.results],
-        "sent_s": [None if r is None else round(r.sent - min(x.sent for x in ok), 4) for r in run.results],
+        "sent_s": [None if r is None else round(r.sent - first_sent, 4) for r in run.results],
     }
     if w.chat:
         out.update(multi_turn_oracle(w, run.results, topo))
@@ -579,6 +573,8 @@ def summarize(w: Workload, side: str, run: Run, topo: Topo, predicted: float | N
     return out
 
 
+# per-request lists of a run's summary: in the JSON, not in the progress lines
+PER_REQUEST = ("assignment", "ttft_ms", "cached_tokens", "prompt_tokens", "response_ids", "sent_s")
 NUMERIC = ("requests", "errors", "wall_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_p99_steady_ms", "itl_p50_ms", "req_per_s", "hit_rate",
            "oracle", "hit_over_oracle", "replayed_hit_rate", "max_over_fair", "router_predicted_hit_rate",
            "oracle_prev_prompt", "short_completions")
@@ -826,7 +822,7 @@ def main() -> int:
                 runs.append(r)
                 print(f"[run {rep + 1} {name} {side}] " + json.dumps(
                     {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
-                     if k not in ("assignment", "ttft_ms", "workload", "side", "repeat")}), file=sys.stderr,
+                     if k not in PER_REQUEST + ("workload", "side", "repeat")}), file=sys.stderr,
                     flush=True)
 
     cmd = (".venv/bin/python bench/routing_bench.py " + " ".join(sys.argv[1:])).strip()

@@ -46,6 +46,7 @@ from actors.kv.hashing import sequence_hashes  # noqa: E402
 from bench.deployment import Deployment  # noqa: E402
 from bench.docs_section import write_section  # noqa: E402
 from bench.prefix_sim import fixed_chooser, oracle_chooser, replay  # noqa: E402
+from bench.sse import SseStream, TokenClock  # noqa: E402
 
 TOPOLOGY = "topologies/mocker-kv.toml"
 SECTION = "KV routing: shared-prefix workload"
@@ -117,36 +118,21 @@ class Run:
 async def one(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int) -> Result:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "temperature": 0.0, "skip_special_tokens": False, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    ttft: float | None = None
-    last = 0.0
-    itls: list[float] = []
+    clock = TokenClock()
     usage: dict = {}
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
         worker = r.headers.get("x-worker-instance-id", "")
-        buf = b""
-        async for data in r.content.iter_any():
-            buf += data
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                    continue
-                msg = json.loads(event[6:])
-                if "error" in msg:
-                    raise RuntimeError(str(msg["error"])[:200])
-                if msg.get("usage"):
-                    usage = msg["usage"]
-                if msg.get("choices"):  # a token chunk (its text may be empty: partial UTF-8)
-                    now = time.perf_counter()
-                    if ttft is None:
-                        ttft = now - t0
-                    else:
-                        itls.append(now - last)
-                    last = now
+        async for msg in SseStream().events(r.content):
+            if "error" in msg:
+                raise RuntimeError(str(msg["error"])[:200])
+            if msg.get("usage"):
+                usage = msg["usage"]
+            if msg.get("choices"):  # a token chunk (its text may be empty: partial UTF-8)
+                clock.tick()
     details = usage.get("prompt_tokens_details") or {}
-    return Result(ttft=ttft if ttft is not None else float("nan"), itls=itls, end=time.perf_counter(),
+    return Result(ttft=clock.ttft, itls=clock.itls, end=time.perf_counter(),
                   prompt_tokens=usage.get("prompt_tokens", 0), cached_tokens=details.get("cached_tokens") or 0,
                   completion_tokens=usage.get("completion_tokens", 0), worker=worker)
 

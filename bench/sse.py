@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,3 +27,22 @@ class SseStream:
                 self.done = True
                 return
             yield json.loads(data)
+
+
+class TokenClock:
+    """A streamed request's token times, from when it was sent: ``tick()`` at each chunk that carries
+    a token; ``ttft`` (seconds, NaN before any) and ``itls`` (the gaps after the first)."""
+
+    def __init__(self) -> None:
+        self.sent = time.perf_counter()
+        self.ttft = float("nan")
+        self.itls: list[float] = []
+        self._last: float | None = None
+
+    def tick(self) -> None:
+        now = time.perf_counter()
+        if self._last is None:
+            self.ttft = now - self.sent
+        else:
+            self.itls.append(now - self._last)
+        self._last = now
