@@ -90,10 +90,11 @@ class KvRouter:
         dec.inc()
         m.observe_hit(len(seqs), decision.overlap_blocks)
         chosen = next((c for c in decision.costs if (c.instance, c.dp_rank) == decision.worker), None)
-        if chosen is not None and chosen.ttft_ms is not None:
-            m.predicted_ttft.observe(chosen.ttft_ms / 1e3)
+        predicted = chosen.ttft_ms if chosen is not None else None
+        if predicted is not None:
+            m.predicted_ttft.observe(predicted / 1e3)
         if book:
-            self._book(seqs, real, decision, len(tokens), request_id)
+            self._book(seqs, real, decision, len(tokens), request_id, predicted)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s -> %s/%d overlap=%d/%d cost=%.2f temperature=%.1fms costs (instance, rank, "
                       "overlap, cost, predicted TTFT ms)=%s", request_id,
@@ -137,17 +138,16 @@ class KvRouter:
         return decision
 
     def _book(self, seqs: list[int], real: Mapping[Worker, int], decision: RoutingDecision, n_tokens: int,
-              request_id: str | None) -> None:
+              request_id: str | None, predicted_ttft_ms: float | None = None) -> None:
         if request_id is None:
             self._auto_id += 1
             request_id = f"auto-{self._auto_id}"
         w = decision.worker
         self.load.add_request(request_id, w, n_tokens, decision.overlap_blocks)
-        chosen = next((c for c in decision.costs if (c.instance, c.dp_rank) == w), None)
-        if chosen is not None and chosen.ttft_ms is not None:
+        if predicted_ttft_ms is not None:
             if len(self._predicted) >= MAX_PENDING:  # finishes lost: forget the oldest
                 del self._predicted[next(iter(self._predicted))]
-            self._predicted[request_id] = (chosen.ttft_ms, self._clock())
+            self._predicted[request_id] = (predicted_ttft_ms, self._clock())
         if isinstance(self.index, ApproxIndex):
             self.index.record(w, seqs)
             return
@@ -193,8 +193,8 @@ class KvRouter:
         self.load.first_token(request_id)
         pred = self._predicted.pop(request_id, None)
         if pred is not None:
+            self.latency.observe_ttft(1e3 * (self._clock() - pred[1]), pred[0])
             err = self.latency.error
-            err.observe(1e3 * (self._clock() - pred[1]), pred[0])
             self.metrics.error_bias.set(err.bias_ms / 1e3)
             self.metrics.error_spread.set(err.spread_ms / 1e3)
 

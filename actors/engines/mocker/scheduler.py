@@ -282,8 +282,8 @@ class Scheduler:
             req.num_cached_blocks = len(hits)
             if remote:  # simulated hand-off: the KV is just there, no compute
                 req.num_computed += remote
-                self._cache_full_blocks(req, req.num_computed)
-            self._cache_full_blocks(req, req.num_computed + num_new)  # before the next one's lookup
+            # the handed-off and the scheduled blocks, before the next request's lookup
+            self._cache_full_blocks(req, req.num_computed + num_new)
             self.running.append(req)
             if req.lora_name:
                 loras.add(req.lora_name)
