@@ -105,31 +105,13 @@ class Registry:
         return await self.kv.put(key, _to_bytes(value))
 
     async def get(self, key: str) -> bytes | None:
-        # Read the raw message: KeyValue.get() does not recognise server limit markers
-        # (Nats-Marker-Reason) and would return an expired entry as an empty value.
-        kv = self.kv
-        try:
-            msg = await self.js.get_msg(kv._stream, subject=f"{kv._pre}{key}", direct=kv._direct)
-        except nats.js.errors.NotFoundError:
-            return None
-        h = msg.headers or {}
-        if h.get(KV_OP) in (KV_DEL, KV_PURGE) or KV_MARKER_REASON in h:
-            return None
-        return msg.data or b""
+        return await _read(self.js, self.kv, key, direct=True)
 
     async def keys(self) -> list[str]:
-        try:
-            return sorted(await self.kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
+        return sorted(await self.items())
 
     async def items(self) -> dict[str, bytes]:
-        out: dict[str, bytes] = {}
-        for k in await self.keys():
-            v = await self.get(k)
-            if v is not None:
-                out[k] = v
-        return out
+        return await live_entries(self.js, self.kv)
 
     async def register(self, key: str, value: Any, heartbeat: float | None = None) -> None:
         """Put now and keep re-putting every ``heartbeat`` (default ttl/3) until deregistered.
@@ -224,6 +206,46 @@ class Registry:
         finally:
             with contextlib.suppress(Exception):
                 await watcher.stop()
+
+
+async def _read(js: JetStreamContext, kv: KeyValue, key: str, *, direct: bool) -> bytes | None:
+    """``key``'s live value, or None. The raw message, not ``KeyValue.get()``: that does not
+    recognise server limit markers (``Nats-Marker-Reason``) and would return an expired entry as an
+    empty value. ``direct``: any replica may answer (fast; a lagging one may be stale)."""
+    try:
+        msg = await js.get_msg(kv._stream, subject=f"{kv._pre}{key}", direct=direct and kv._direct)
+    except nats.js.errors.NotFoundError:
+        return None
+    h = msg.headers or {}
+    if h.get(KV_OP) in (KV_DEL, KV_PURGE) or KV_MARKER_REASON in h:
+        return None
+    return msg.data or b""
+
+
+READ_CONCURRENCY = 64  # reads in flight while listing a bucket
+
+
+async def live_entries(js: JetStreamContext, kv: KeyValue) -> dict[str, bytes]:
+    """Every live entry of ``kv`` (what ``nats kv ls`` + ``get`` show), read from the stream's leader.
+
+    Not ``KeyValue.keys()``: nats-py ends that listing at the first message that reports nothing
+    pending, and under concurrent puts (every heartbeat is one) a message can report 0 while others
+    are still on their way (nats.py PR #995). With two writers re-putting 20 keys on one server,
+    26 and 40 of 300 listings came back short (9 of them empty); that is the likely cause of a
+    three-host test reading an empty registry in CI. Here the leader's per-subject state names the
+    keys in one answer, then each key's last message is read from the leader too (a direct get may
+    reach a replica that has not caught up). A key removed between the two reads is left out.
+    """
+    info = await js.stream_info(kv._stream, subjects_filter=f"{kv._pre}>")
+    keys = sorted(s[len(kv._pre):] for s in (info.state.subjects or {}))
+    gate = asyncio.Semaphore(READ_CONCURRENCY)
+
+    async def one(key: str) -> bytes | None:
+        async with gate:
+            return await _read(js, kv, key, direct=False)
+
+    values = await asyncio.gather(*(one(k) for k in keys))
+    return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
 
 
 async def wait_for_jetstream(nc: Client, on_wait: Callable[[str], None],

@@ -13,6 +13,8 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
+from bus.registry import live_entries
+
 
 async def eventually(cond: Callable[[], object], timeout: float = 5.0) -> None:
     """Poll ``cond`` until it is true; AssertionError after ``timeout`` seconds."""
@@ -219,20 +221,8 @@ async def srv_ping(nc: Any, wait: float = 1.5) -> list[dict[str, Any]]:
 
 
 async def registry(nc: Any, ns: str) -> dict[str, dict[str, Any]]:
-    """The instance records of ``<ns>-instances`` (what ``nats kv ls``/``get`` show)."""
-    import nats.js.errors
-
-    kv = await nc.jetstream().key_value(f"{ns}-instances")
-    try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
-        return {}
-    out = {}
-    for k in keys:
-        try:
-            e = await kv.get(k)
-        except nats.js.errors.KeyNotFoundError:
-            continue
-        if e.value:
-            out[k] = json.loads(e.value)
-    return out
+    """The instance records of ``<ns>-instances`` (what ``nats kv ls``/``get`` show), read the way
+    the registry lists itself (``bus.registry.live_entries``: complete while heartbeats re-put)."""
+    js = nc.jetstream()
+    kv = await js.key_value(f"{ns}-instances")
+    return {k: json.loads(v) for k, v in (await live_entries(js, kv)).items() if v}

@@ -49,6 +49,34 @@ async def test_put_get_keys_items(bus: BusContext) -> None:
     assert await other.get("b") == b"raw"
 
 
+async def test_listing_sees_every_key_while_heartbeats_rewrite_them(bus: BusContext) -> None:
+    """Every heartbeat re-puts a key. nats-py's ``KeyValue.keys()`` came back short (or empty) in
+    about one listing of ten while two writers did that; the registry's listing must never."""
+    reg = Registry(bus.js, bus.subjects.bucket_instances, ttl=30)
+    await reg.ensure()
+    keys = [f"inst-{i:02d}" for i in range(20)]
+    for k in keys:
+        await reg.put(k, b"v" * 200)
+    stop = asyncio.Event()
+
+    async def rewrite(offset: int) -> int:
+        n = 0
+        while not stop.is_set():
+            await reg.put(keys[(n + offset) % len(keys)], b"w" * 200)
+            n += 1
+            await asyncio.sleep(0)
+        return n
+
+    writers = [asyncio.create_task(rewrite(o)) for o in (0, 10)]
+    try:
+        short = [sorted(set(keys) - set(await reg.keys())) for _ in range(300)]
+    finally:
+        stop.set()
+        puts = await asyncio.gather(*writers)
+    assert min(puts) > 300  # the keys were being rewritten throughout
+    assert [m for m in short if m] == []
+
+
 async def test_ttl_expiry_reaches_watcher_as_removal(bus: BusContext) -> None:
     reg = Registry(bus.js, bus.subjects.bucket_instances, ttl=1.0)
     await reg.ensure()

@@ -28,7 +28,6 @@ from typing import Any
 import nats
 import nats.errors
 from nats.aio.client import Client
-from nats.js.errors import KeyNotFoundError, NoKeysError
 
 from actors.instances.contract import WORKER_KIND
 from bus import subjects as S
@@ -50,6 +49,7 @@ from tests.chaos.nats_battery import (
     valid_empty_object,
     verb_for,
 )
+from tests.helpers import registry
 
 _GENERATE = VERBS[("engine", "generate")]
 
@@ -83,23 +83,6 @@ async def services(nc: Client, namespace: str, quiet: float = 1.0) -> list[dict[
     finally:
         await sub.unsubscribe()
     return sorted(out, key=lambda i: (i["name"], i["id"]))
-
-
-async def registry_records(nc: Client, namespace: str) -> dict[str, dict[str, Any]]:
-    kv = await nc.jetstream().key_value(Subjects(namespace).bucket_instances)
-    out = {}
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return {}
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:
-            continue  # left meanwhile
-        if entry.value:
-            out[key] = json.loads(entry.value)
-    return out
 
 
 def discover(infos: list[dict[str, Any]], records: dict[str, Any],
@@ -204,7 +187,7 @@ async def deployment_state(nc: Client, namespace: str) -> tuple[dict[str, Any], 
     ``started_at`` per instance, and the micro services' ids; with the services' INFO replies and
     the registry records it read (what ``discover`` needs)."""
     infos = await services(nc, namespace)
-    records = await registry_records(nc, namespace)
+    records = await registry(nc, namespace)
     children: dict[str, tuple[int, float | None]] = {}
     for info in infos:
         if info["name"] != "supervisor":

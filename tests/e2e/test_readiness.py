@@ -25,6 +25,7 @@ import pytest
 from bus import rpc
 from bus.subjects import Subjects
 from tests.e2e.conftest import WORKER_HEADER, Deployment, shutdown
+from tests.helpers import registry
 
 NS = "dynamo"  # the shipped topologies' namespace: what two users on one host both get
 
@@ -66,11 +67,7 @@ async def registry_instances(d: Deployment) -> set[str]:
     """Worker instances whose engine answers on the bus right now."""
     nc = await nats.connect(d.bus_url)
     try:
-        kv = await nc.jetstream().key_value(f"{NS}-instances")
-        try:
-            keys = await kv.keys()
-        except nats.js.errors.NoKeysError:
-            keys = []
+        keys = await registry(nc, NS)
         alive = set()
         for k in keys:
             try:

@@ -21,7 +21,7 @@ import pytest
 
 from config.topology import BusAuth, BusTLS
 from tests.e2e.conftest import Deployment, chat_body, http_json, post
-from tests.helpers import bus_admits, listening_hosts, make_certs, make_nkey, make_operator
+from tests.helpers import bus_admits, listening_hosts, make_certs, make_nkey, make_operator, registry
 
 MODEL = "tiny"
 
@@ -190,9 +190,11 @@ def test_per_role_users_of_the_shipped_secure_topology(tmp_path: Path, started: 
             assert await refused(obs, f"dynamo.worker.{instance}.lora.load",
                                  b'{"lora_name": "x", "source": {"uri": "file:///tmp/x"}}')
             assert await refused(obs, "dynamo.supervisor.local.spawn", b'{"pool": "agg"}')
-            # `nats kv ls/get` of the registry: reads through JetStream's API
+            # `nats kv ls/get` of the registry: reads through JetStream's API (a listing consumer,
+            # the stream's state and its messages, direct or from the leader)
             kv = await obs.jetstream().key_value("dynamo-instances")
-            assert instance in await kv.keys()
+            await (await kv.watchall(meta_only=True)).stop()
+            assert instance in await registry(obs, "dynamo")
             assert json.loads((await kv.get(instance)).value)["instance"] == instance
         finally:
             await obs.close()
