@@ -36,8 +36,9 @@ RECONNECT = Backoff(initial=RECONNECT_BASE, max=RECONNECT_MAX, multiplier=2.0, j
 # is that bound with room to spare: a full jitter above the cap, and half a second for the connect.
 SETTLE_S = RECONNECT_MAX * (1 + RECONNECT_JITTER) + 0.5
 
-# when each connection last came back from an outage (weak keys: this never keeps a client alive)
-_reconnected_at: weakref.WeakKeyDictionary[Client, float] = weakref.WeakKeyDictionary()
+# when each connection last came back from an outage, and nats-py's reconnect count then (weak keys:
+# this never keeps a client alive)
+_reconnected_at: weakref.WeakKeyDictionary[Client, tuple[int, float]] = weakref.WeakKeyDictionary()
 
 
 def _reconnect_handler(servers: list[Any], _info: dict[str, Any]) -> tuple[Any, float]:
@@ -107,7 +108,7 @@ async def connect(cfg: BusConfig | str, name: str, *, initial_attempts: int = 3,
             log.warning("nats %s: disconnected from %s; reconnecting", name, servers)
 
     async def on_reconnected() -> None:
-        _reconnected_at[nc] = time.monotonic()
+        _reconnected_at[nc] = (nc.stats["reconnects"], time.monotonic())
         log.info("nats %s: reconnected to %s", name, nc.connected_url.netloc if nc.connected_url else "?")
 
     async def on_closed() -> None:
@@ -144,8 +145,12 @@ def settling(nc: Client, window: float = SETTLE_S) -> bool:
     other processes may still be reconnecting, so their silence is not a verdict on them yet."""
     if not nc.is_connected:
         return True
-    t = _reconnected_at.get(nc)
-    return t is not None and time.monotonic() - t < window
+    seen = _reconnected_at.get(nc)
+    if nc.stats["reconnects"] > (seen[0] if seen else 0):
+        # connected again, but nats-py calls the reconnected callback only after replaying the
+        # subscriptions and a flush: until then this is the first moment of the window
+        return True
+    return seen is not None and time.monotonic() - seen[1] < window
 
 
 async def wait_connected(nc: Client, timeout: float) -> bool:

@@ -32,6 +32,21 @@ async def test_settling_after_the_server_comes_back(tmp_path) -> None:  # type: 
         await srv.stop(5.0)
 
 
+async def test_a_reconnect_is_settling_before_its_callback_runs(nats_server) -> None:  # type: ignore[no-untyped-def]
+    """nats-py is connected again (and has counted the reconnect) before it replays the subscriptions,
+    flushes and calls the reconnected callback; a caller in that gap must see 'settling' too."""
+    nc = await connect(nats_server.url, "gap-test")
+    try:
+        assert not settling(nc)
+        nc.stats["reconnects"] += 1  # where nats-py stands between CONNECTED and the callback
+        assert settling(nc)
+        await nc._reconnected_cb()  # the callback, run as nats-py runs it
+        assert settling(nc)
+        assert not settling(nc, window=0.0)
+    finally:
+        await nc.close()
+
+
 async def test_until_closed_returns_when_the_connection_is_closed(nats_server) -> None:  # type: ignore[no-untyped-def]
     nc = await connect(nats_server.url, "closed-test")
     waiter = asyncio.ensure_future(until_closed(nc, poll=0.05))
