@@ -34,7 +34,6 @@ from actors.worker.contract import LoadReport
 log = logging.getLogger(__name__)
 
 Worker = tuple[str, int]
-MAX_PENDING = 100_000  # routed requests whose first token is awaited (for the prediction error)
 
 
 class KvRouter:
@@ -55,8 +54,6 @@ class KvRouter:
         self.selector = CostSelector(config, metrics=self.metrics, rng=rng, latency=self.latency)
         self.sessions = SessionAffinity(session_ttl, clock=clock)
         self._clock = clock
-        # request id -> (predicted TTFT ms, when routed): the model's error, measured at its first token
-        self._predicted: dict[str, tuple[float, float]] = {}
         self._auto_id = 0
         self._decisions: dict[str, Any] = {}  # mode -> labelled counter child (.labels() costs more than .inc())
 
@@ -143,11 +140,8 @@ class KvRouter:
             self._auto_id += 1
             request_id = f"auto-{self._auto_id}"
         w = decision.worker
-        self.load.add_request(request_id, w, n_tokens, decision.overlap_blocks)
-        if predicted_ttft_ms is not None:
-            if len(self._predicted) >= MAX_PENDING:  # finishes lost: forget the oldest
-                del self._predicted[next(iter(self._predicted))]
-            self._predicted[request_id] = (predicted_ttft_ms, self._clock())
+        self.load.add_request(request_id, w, n_tokens, decision.overlap_blocks,
+                              None if predicted_ttft_ms is None else (predicted_ttft_ms, self._clock()))
         if isinstance(self.index, ApproxIndex):
             self.index.record(w, seqs)
             return
@@ -191,7 +185,7 @@ class KvRouter:
 
     def first_token(self, request_id: str) -> None:
         self.load.first_token(request_id)
-        pred = self._predicted.pop(request_id, None)
+        pred = self.load.take_prediction(request_id)
         if pred is not None:
             self.latency.observe_ttft(1e3 * (self._clock() - pred[1]), pred[0])
             err = self.latency.error
@@ -202,7 +196,6 @@ class KvRouter:
         self.load.add_output_tokens(request_id, n)
 
     def finish(self, request_id: str) -> None:
-        self._predicted.pop(request_id, None)
         out = self.load.finish(request_id)
         if out:
             self.latency.observe_output(out)

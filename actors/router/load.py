@@ -33,6 +33,9 @@ class _Req:
     total_tokens: int
     started: float
     prompt_tokens: int = 0
+    # (predicted TTFT ms, when routed by the router's clock) until its first token: the latency
+    # model's error is measured there
+    prediction: tuple[float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -59,12 +62,14 @@ class LoadTracker:
 
     # ---- our own decisions ---------------------------------------------------------------------
     def add_request(self, request_id: str, worker: Worker, prompt_tokens: int,
-                    overlap_blocks: int = 0) -> None:
-        """At route time: uncached prompt tokens become prefill load, all prompt blocks decode load."""
+                    overlap_blocks: int = 0, prediction: tuple[float, float] | None = None) -> None:
+        """At route time: uncached prompt tokens become prefill load, all prompt blocks decode load.
+        ``prediction``: kept for ``take_prediction`` (what the router predicted, and when)."""
         if request_id in self._reqs:
             self.finish(request_id)
         prefill = max(0, prompt_tokens - overlap_blocks * self.block_size)
-        r = _Req(worker, prefill, self._blocks(prompt_tokens), prompt_tokens, self._clock(), prompt_tokens)
+        r = _Req(worker, prefill, self._blocks(prompt_tokens), prompt_tokens, self._clock(), prompt_tokens,
+                 prediction)
         self._reqs[request_id] = r
         wl = self._load.setdefault(worker, WorkerLoad())
         wl.prefill_tokens += prefill
@@ -78,6 +83,14 @@ class LoadTracker:
             return
         self._load[r.worker].prefill_tokens -= r.prefill_tokens
         r.prefill_tokens = 0
+
+    def take_prediction(self, request_id: str) -> tuple[float, float] | None:
+        """The prediction ``add_request`` kept for a request still tracked, once."""
+        r = self._reqs.get(request_id)
+        if r is None:
+            return None
+        pred, r.prediction = r.prediction, None
+        return pred
 
     def add_output_tokens(self, request_id: str, n: int) -> None:
         """Output grows the request's KV footprint by a block each ``block_size`` tokens."""
