@@ -22,7 +22,7 @@ engines' share of TTFT under a given assignment of requests to workers.
   tokens; the reply's tokens never hit, as the next prompt re-tokenizes it). A turn reaches its
   worker ``--gap`` ms plus up to one of ``--jitters`` ms (uniform) after the previous turn's last token:
   the client's and the frontend's work between two turns. Policies: round robin; sticky (a session
-  stays on the worker its first turn took, the one with the fewest active sessions); and a
+  stays on the worker its first turn took, the one that has taken the fewest sessions); and a
   latency-first router with perfect knowledge that no real router has (each worker's step in
   flight and its exact waiting queue and cache), which picks the lowest predicted TTFT plus
   ``lambda`` × the prefill time it would compute that another worker holds cached, per stream
@@ -44,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from actors.engines.mocker.kv_pool import BlockPool  # noqa: E402
+from actors.engines.mocker.ranks import Rank  # noqa: E402
 from actors.engines.mocker.scheduler import MockRequest, Scheduler, StepResult  # noqa: E402
 from actors.engines.mocker.timing import TimingModel, decode_ms, prefill_ms  # noqa: E402
 from bench.routing_bench import Topo, read_topology  # noqa: E402
@@ -55,10 +56,10 @@ PREFIX_TOKENS = 2048  # routing_bench's shared_prefix: a group prefix + a 128-to
 
 @dataclass
 class Engine:
-    """One simulated worker: the mocker's pool and scheduler, and when its step in flight ends."""
+    """One simulated worker: a mocker rank (pool and scheduler, no KV-event publisher), and when its
+    step in flight ends."""
 
-    pool: BlockPool
-    sched: Scheduler
+    rank: Rank
     busy_until: float | None = None  # None: idle
 
     @classmethod
@@ -67,14 +68,20 @@ class Engine:
         sched = Scheduler(pool, max_num_seqs=topo.max_num_seqs, max_num_batched_tokens=topo.max_num_batched_tokens,
                           max_model_len=1 << 20, enable_chunked_prefill=True, max_loras=1,
                           sample=lambda _req: rng.randrange(*VOCAB))
-        return cls(pool, sched)
+        return cls(Rank(0, pool, sched, None))
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.rank.pool
+
+    @property
+    def sched(self) -> Scheduler:
+        return self.rank.sched
 
     def step(self, timing: TimingModel) -> tuple[StepResult, float]:
-        """One scheduler step and its simulated seconds (the KV its batch held, as the mocker counts it)."""
+        """One scheduler step and its simulated seconds, priced as the mocker's engine loop does."""
         res = self.sched.step()
-        ref = self.pool.ref_cnt
-        released = {b for req in res.finished for b in req.released_blocks if ref[b] == 0}
-        held = self.pool.num_used + len(released)
+        held = self.rank.blocks_in_step(res)
         return res, timing.step_seconds(res.prefill_tokens, res.num_decode, held, self.pool.num_blocks)
 
 
@@ -221,8 +228,8 @@ def multi_turn_loop(topo: Topo, policy: str, lam: float, a: argparse.Namespace) 
             return (counts["rr"] - 1) % topo.workers
         if policy == "sticky":
             if s.home is None:
-                active = [sum(1 for x in sessions if x.home == w and x.turn <= a.turns) for w in range(topo.workers)]
-                s.home = min(range(topo.workers), key=lambda w: active[w])
+                taken = [sum(1 for x in sessions if x.home == w) for w in range(topo.workers)]
+                s.home = min(range(topo.workers), key=lambda w: taken[w])
             return s.home
         probe = MockRequest(request_id="probe", prompt=s.prompt, max_tokens=1)
         probe.update_hashes(topo.block_size)
