@@ -67,9 +67,9 @@ async def registry_instances(d: Deployment) -> set[str]:
     """Worker instances whose engine answers on the bus right now."""
     nc = await nats.connect(d.bus_url)
     try:
-        keys = await registry(nc, NS)
+        records = await registry(nc, NS)
         alive = set()
-        for k in keys:
+        for k in records:
             try:
                 await rpc.request(nc, Subjects(NS).worker(k, "stats"), {}, timeout=2)
                 alive.add(k)

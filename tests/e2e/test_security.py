@@ -190,10 +190,20 @@ def test_per_role_users_of_the_shipped_secure_topology(tmp_path: Path, started: 
             assert await refused(obs, f"dynamo.worker.{instance}.lora.load",
                                  b'{"lora_name": "x", "source": {"uri": "file:///tmp/x"}}')
             assert await refused(obs, "dynamo.supervisor.local.spawn", b'{"pool": "agg"}')
-            # `nats kv ls/get` of the registry: reads through JetStream's API (a listing consumer,
-            # the stream's state and its messages, direct or from the leader)
+            # `nats kv ls/get` of the registry: reads through JetStream's API. A listing consumer
+            # delivers the instance's key (read until it comes: where nats-py's keys() would end
+            # is not reliable, see bus.registry.live_entries), and so do the stream's state and its
+            # messages, direct or from the leader
             kv = await obs.jetstream().key_value("dynamo-instances")
-            await (await kv.watchall(meta_only=True)).stop()
+            watcher = await kv.watchall(meta_only=True)
+            try:
+                listed: set[str] = set()
+                while instance not in listed:
+                    entry = await watcher.updates(timeout=10)
+                    if entry is not None:
+                        listed.add(entry.key)
+            finally:
+                await watcher.stop()
             assert instance in await registry(obs, "dynamo")
             assert json.loads((await kv.get(instance)).value)["instance"] == instance
         finally:
