@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,16 +33,26 @@ WORKER_HEADER = "x-worker-instance-id"
 PREFILL_HEADER = "x-prefill-instance-id"
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(span: int = 1) -> int:
-    """A free port p such that p .. p+span-1 are all free right now (status ports: one per replica)."""
+    """A free port p such that p .. p+span-1 are all free right now (status ports: one per replica).
+
+    Drawn below the kernel's ephemeral range: a port the kernel hands out itself (bind to 0, an
+    outgoing connection) can go to another socket in the seconds before the deployment binds it,
+    and an engine's NIXL listener once failed so ("Address already in use" on a port picked free,
+    the engine never ready). Below that range only an explicit bind can take it."""
+    rng = random.Random()
+    high = _ephemeral_low() - span
     for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + span > 65535:
-            continue
+        p = rng.randrange(10000, high)
         ok = True
-        for q in range(p + 1, p + span):
+        for q in range(p, p + span):
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", q))
