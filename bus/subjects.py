@@ -111,6 +111,17 @@ class Subjects:
     def router(self, verb: str) -> str:
         return f"{self.ns}.router.{verb}"
 
+    # each frontend's routing bookings, which every other frontend applies (actors.router.bookings)
+    def router_bookings(self, instance: str) -> str:
+        return f"{self.ns}.router.bookings.{check_token(instance)}"
+
+    def router_bookings_all(self) -> str:
+        return f"{self.ns}.router.bookings.*"
+
+    # the frontend processes of a deployment: a scrape of /metrics gathers every process's series
+    def frontend_scrape(self) -> str:
+        return f"{self.ns}.frontend.scrape"
+
     # any actor's per-instance control subject (e.g. the stream ``cancel`` endpoint)
     def actor(self, kind: str, instance: str, verb: str) -> str:
         """``ns.<kind>.<instance>.<verb>``; for kind "worker" this equals ``worker(instance, verb)``."""
@@ -132,6 +143,11 @@ class Subjects:
     @property
     def bucket_loras(self) -> str:
         return f"{self.ns}-loras"
+
+    @property
+    def bucket_quarantine(self) -> str:
+        """Fingerprints of requests of death, shared by every frontend (actors.frontend.quarantine)."""
+        return f"{self.ns}-quarantine"
 
 
 def inbox_prefix(namespace: str) -> str:

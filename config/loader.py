@@ -292,6 +292,8 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         positive("frontend.max_body_bytes", t.frontend.max_body_bytes)
         for key in ("header_timeout", "keepalive_timeout", "body_timeout", "max_connections"):
             positive(f"frontend.{key}", getattr(t.frontend, key))
+        if not 1 <= t.frontend.processes <= 64:
+            fail("frontend.processes", f"expected 1..64 processes, got {t.frontend.processes}")
         if t.frontend.quarantine_ttl < 0:
             fail("frontend.quarantine_ttl", f"expected seconds >= 0, got {t.frontend.quarantine_ttl}")
         if t.frontend.prefill_load_scale is not None and not t.frontend.prefill_load_scale >= 0:

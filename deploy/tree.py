@@ -9,6 +9,8 @@
     │   │               ns.router.*: the process's one KV router, no separate router actor)
     │   ├── planner     (when [planner] enabled names this host: scales pools through the roots)
     │   └── echo        the example actor, when `echo = true` and this host is in echo_hosts
+    ├── frontend-<i>    with frontend.processes = N > 1, the frontend instead runs as N OS processes
+    │                   that accept from one socket this process binds (deploy.frontends)
     └── worker-<pool>-<i>   one OS process per worker replica (its own connection and supervisor)
 
 Why ``inproc`` is rest_for_one with the connection first: the in-process actors hold the
@@ -35,6 +37,7 @@ from config.paths import nats_store, profile_dir, profile_path
 from config.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
 from config.workers import bus_url, embeds_nats, kv_replicas, server_name
 from deploy import nats_conf
+from deploy.frontends import HttpListener, frontend_specs
 from deploy.pools import worker_spec
 from supervisors.child import Child, ChildSpec
 
@@ -188,6 +191,13 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
                                 "permanent", sup.shutdown_timeout),
                       "supervisor", "in-process actors", inproc_sup, inproc))
 
+    fe = t.frontend
+    if fe.enabled and fe.processes > 1 and fe.host in shares:
+        listener = HttpListener(fe.http)
+        roots = sorted({link.host if p.host in shares else p.host for p in t.pools.values()})
+        for spec, argv in frontend_specs(t, topology_path, overrides, listener, roots, relay):
+            nodes.append(Node(spec, "process", f"FrontendActor process on the shared socket {fe.http} "
+                              f"(router {fe.router}): {' '.join(argv[1:])}"))
     for name, pool in t.pools.items():
         if pool.host in shares:
             nodes += _worker_nodes(t, name, pool, topology_path, overrides)
@@ -254,8 +264,8 @@ def _frontend_nodes(t: Topology, host: str, link: BusLink, status: Callable[[str
     """The OpenAI HTTP frontend, on the host the topology names. It knows the pools it waits for
     (readiness) and which roots to ask what a missing worker is doing: this process's root (named
     ``link.host``) for the hosts it runs, each other host's own root otherwise."""
-    if not (t.frontend.enabled and t.frontend.host == host):
-        return []
+    if not (t.frontend.enabled and t.frontend.host == host) or t.frontend.processes > 1:
+        return []  # several processes: root children of their own (plan_host)
     fe, model = t.frontend, t.model
     roots = sorted({link.host if p.host in shares else p.host for p in t.pools.values()})
 

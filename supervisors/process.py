@@ -74,10 +74,13 @@ class ProcessChild:
                  inherit_env: bool = True, cwd: str | None = None, log_file: str | None = None,
                  ready: Literal["notify", "spawn"] = "notify", ready_timeout: float = 120.0,
                  normal_exit_codes: Collection[int] = (0,),
-                 on_status: Callable[[str], None] | None = None) -> None:
+                 on_status: Callable[[str], None] | None = None,
+                 pass_fds: Callable[[], Sequence[int]] | None = None) -> None:
         """``normal_exit_codes``: return codes that count as a normal exit, not a crash (0 always
         does), so a transient child is not restarted; a code other than 0 is reported with the
-        child's last STATUS line, which says why it ended."""
+        child's last STATUS line, which says why it ended. ``pass_fds``: descriptors the child
+        inherits (under the same numbers), asked for at each start (a listening socket the
+        parent holds, e.g.)."""
         if not argv:
             raise ValueError("ProcessChild needs a non-empty argv")
         self.name = name
@@ -92,6 +95,7 @@ class ProcessChild:
         self.proc: asyncio.subprocess.Process | None = None
         self.status: str | None = None  # last STATUS= line the child sent
         self.on_status = on_status
+        self.pass_fds = pass_fds
         self._sock: socket.socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
@@ -125,7 +129,8 @@ class ProcessChild:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv, env=env, cwd=self.cwd, stdin=asyncio.subprocess.DEVNULL,
                 stdout=out, stderr=asyncio.subprocess.STDOUT if out else None,
-                start_new_session=True, preexec_fn=lambda p=os.getpid(): _die_with_parent(p))
+                start_new_session=True, preexec_fn=lambda p=os.getpid(): _die_with_parent(p),
+                pass_fds=tuple(self.pass_fds()) if self.pass_fds is not None else ())
         except Exception:
             self._close_sock()
             raise

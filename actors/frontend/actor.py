@@ -13,11 +13,14 @@ over its own in-process router, the only KV router of the process. Every
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
+import nats.errors
 from prometheus_client import CollectorRegistry
 
 from actors.base import Actor, Endpoint
@@ -28,6 +31,7 @@ from bus.context import BusContext
 from bus.tasks import cancel_and_wait
 from config.topology import FrontendConfig, ModelConfig, PoolConfig
 
+from . import metrics_merge
 from .app import FrontendApp
 from .client import WorkerClient
 from .confirm import InstanceConfirmer
@@ -38,8 +42,12 @@ from .metrics import FrontendMetrics
 from .observations import Observations
 from .readiness import PoolExpectation, Readiness
 from .routing import Router, make_router
+from .shared_quarantine import SharedQuarantine
 
 log = logging.getLogger(__name__)
+
+# seconds a frontend process that shares its address waits for its first probes of the workers
+SETTLE_TIMEOUT = 3.0
 
 
 def split_hostport(addr: str) -> tuple[str, int]:
@@ -55,8 +63,12 @@ class FrontendActor(Actor):
                  model_config: ModelConfig | None = None, instance: str | None = None,
                  registry_ttl: float | None = None, pools: Mapping[str, PoolConfig] | None = None,
                  supervisor_hosts: list[str] | None = None, on_status: Callable[[str], None] | None = None,
-                 extra_metrics: Sequence[CollectorRegistry] = (), **kw: Any) -> None:
-        """``extra_metrics``: other registries of this process that /metrics serves (the planner's)."""
+                 extra_metrics: Sequence[CollectorRegistry] = (), sock: socket.socket | None = None,
+                 **kw: Any) -> None:
+        """``extra_metrics``: other registries of this process that /metrics serves (the planner's).
+        ``sock``: the listening socket this process shares with the deployment's other frontend
+        processes (``frontend.processes`` > 1, ``actors.frontend.process``), served instead of
+        binding ``config.http``; with it, routing bookings, quarantine and /metrics are shared."""
         self.config = config or FrontendConfig()
         self.model_config = model_config
         super().__init__(bus, instance=instance, role="frontend",
@@ -87,6 +99,9 @@ class FrontendActor(Actor):
             BucketWatch(bus.js, bus.subjects.bucket_loras, self.registry_ttl, dict[str, Any])]
         self._unsubscribe: list[Callable[[], None]] = []
         self.port: int | None = None
+        self.sock = sock
+        self.shared_quarantine: SharedQuarantine | None = None
+        self._scrape_sub: Any = None
 
     # --- actor hooks -----------------------------------------------------------------------------------
     def endpoints(self) -> list[Endpoint]:
@@ -126,8 +141,11 @@ class FrontendActor(Actor):
             raise
         model = self.model_config.name if self.model_config else None
 
+        shared = self.sock is not None
+
         def kv() -> KvPolicy:
-            return KvPolicy(ws, self.bus, self.instances, self.config, model, registry=self.metrics.registry)
+            return KvPolicy(ws, self.bus, self.instances, self.config, model, registry=self.metrics.registry,
+                            share_as=self.instance if shared else None)
 
         router = make_router(self.config.router, kv_factory=kv)
         self._router = router
@@ -142,8 +160,10 @@ class FrontendActor(Actor):
         vllm.envs.enable_envs_cache()
         host, port = split_hostport(self.config.http)
         try:
-            self.port = await self._site.start(host, port)
-        except OSError:
+            if shared:
+                await self._share()
+            self.port = await self._site.start(host, port, sock=self.sock)
+        except (OSError, ConnectionError, TimeoutError, nats.errors.Error):
             await self._cleanup()
             raise
         log.info("frontend %s serving OpenAI API on http://%s:%d/v1 (router %s)", self.instance, host,
@@ -151,10 +171,38 @@ class FrontendActor(Actor):
         if self.config.observe_interval > 0:
             self._observer = asyncio.create_task(self._publish_windows(), name=f"{self.instance}-observe")
 
+    async def _share(self) -> None:
+        """Several frontend processes: quarantine, /metrics and a settled view, before serving."""
+        assert self.app is not None and self._confirmer is not None
+        if self.config.quarantine_ttl > 0:
+            self.shared_quarantine = SharedQuarantine(self.bus, self.app.pipeline.deps.quarantine, self.instance)
+            await self.shared_quarantine.start()
+        self._scrape_sub = await self.bus.nc.subscribe(self.bus.subjects.frontend_scrape(), cb=self._on_scrape)
+        nc, subject, others = self.bus.nc, self.bus.subjects.frontend_scrape(), self.config.processes - 1
+
+        async def render() -> bytes:
+            return await metrics_merge.gather(nc, subject, self.instance, self.metrics.render(), others)
+
+        self.app.render_metrics = render
+        # the other processes answer /health from a confirmed view of the workers: a process that
+        # (re)starts must not say "not ready" beside them while its first probes are out
+        await self._confirmer.settled(SETTLE_TIMEOUT)
+
+    async def _on_scrape(self, msg: Any) -> None:
+        if msg.reply:
+            await self.bus.nc.publish(msg.reply, metrics_merge.encode_part(self.instance, self.metrics.render()))
+
     async def on_stop(self) -> None:
         await self._cleanup()
 
     async def _cleanup(self) -> None:
+        if self._scrape_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._scrape_sub.unsubscribe()
+            self._scrape_sub = None
+        if self.shared_quarantine is not None:
+            await self.shared_quarantine.stop()
+            self.shared_quarantine = None
         if self._observer is not None:
             await cancel_and_wait([self._observer])
             self._observer = None

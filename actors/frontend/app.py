@@ -49,6 +49,9 @@ class FrontendApp:
         self._health = health
         self.config = config
         self.metrics = metrics or FrontendMetrics()
+        # what /metrics serves when it is more than this process's series (several processes:
+        # actors.frontend.metrics_merge); None: this process's own
+        self.render_metrics: Callable[[], Awaitable[bytes]] | None = None
         self.pipeline = CompletionPipeline(workers=workers, router=router, link=link, config=config,
                                            metrics=self.metrics, model_config=model_config)
         self.tokenization = Tokenization(workers, self.pipeline.preprocessors, self.pipeline.expected,
@@ -145,8 +148,8 @@ class FrontendApp:
         return _json({"status": "live"})
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(),
-                            headers={"Content-Type": self.metrics.content_type})
+        body = self.metrics.render() if self.render_metrics is None else await self.render_metrics()
+        return web.Response(body=body, headers={"Content-Type": self.metrics.content_type})
 
     # --- generation ---------------------------------------------------------------------------------
     async def chat(self, request: web.Request) -> web.StreamResponse:

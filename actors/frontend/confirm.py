@@ -44,6 +44,7 @@ class InstanceConfirmer:
     recheck: float = 2.0  # seconds between probes of confirmed instances
     _probing: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
     _rechecker: asyncio.Task[None] | None = field(default=None, init=False)
+    _answered: set[str] = field(default_factory=set, init=False)  # keys whose first probe has answered
 
     def put(self, key: str, value: InstanceRecord) -> None:
         """A ``BucketWatch`` put of ``<ns>-instances``: apply it, probe a new incarnation."""
@@ -57,10 +58,26 @@ class InstanceConfirmer:
             self._probing[key] = asyncio.create_task(self._confirm(key), name=f"confirm-{key}")
 
     def delete(self, key: str) -> None:
+        self._answered.discard(key)
         self.workers.delete_instance(key)
         task = self._probing.pop(key, None)
         if task is not None:
             task.cancel()
+
+    async def settled(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until every record seen so far has had its first answer: each
+        probe either confirmed its record or found it dead once. True when none is still waiting."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if not any(self.workers.needs_confirmation(key) and self._first_answer_pending(key)
+                       for key in self._probing):
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    def _first_answer_pending(self, key: str) -> bool:
+        return key not in self._answered
 
     async def close(self) -> None:
         tasks = list(self._probing.values()) + ([self._rechecker] if self._rechecker else [])
@@ -76,6 +93,7 @@ class InstanceConfirmer:
                 if rec is None:
                     return
                 answered = await ask(self.bus, rec.instance, self.timeout)
+                self._answered.add(key)
                 if answered is Liveness.ALIVE:
                     self.workers.confirm(key, rec.started_at)
                     log.debug("instance %s confirmed on the bus", rec.instance)

@@ -40,6 +40,7 @@ import asyncio
 import enum
 import logging
 import resource
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -54,6 +55,7 @@ from config.topology import FrontendConfig
 
 from .metrics import FrontendMetrics
 from .openai_io import RETRY_AFTER_S, error_body
+from .shared_socket import SharedAccept
 
 log = logging.getLogger(__name__)
 
@@ -386,9 +388,12 @@ class GuardedSite:
         self.server: GuardedServer | None = None
         self._app_runner: web.AppRunner | None = None
         self._runner: web.ServerRunner | None = None
+        self._shared: SharedAccept | None = None
 
-    async def start(self, host: str, port: int, *, backlog: int = 1024) -> int:
-        """Listen; returns the bound port (``port`` 0: a free one)."""
+    async def start(self, host: str, port: int, *, backlog: int = 1024,
+                    sock: socket.socket | None = None) -> int:
+        """Listen; returns the bound port (``port`` 0: a free one). ``sock``: a listening socket
+        shared with other frontend processes, accepted from instead of binding host:port."""
         _fit_open_files(self.config.max_connections)
         self._app_runner = web.AppRunner(self.app, access_log=None)
         await self._app_runner.setup()
@@ -399,11 +404,18 @@ class GuardedSite:
                                     handler_cancellation=True, access_log=None)
         self._runner = web.ServerRunner(self.server)
         await self._runner.setup()
+        if sock is not None:
+            self._shared = SharedAccept(sock, self.server)
+            self._shared.start()
+            return self._shared.port
         site = web.TCPSite(self._runner, host, port, backlog=backlog, reuse_address=True)
         await site.start()
         return site.port
 
     async def stop(self) -> None:
+        if self._shared is not None:
+            self._shared.stop()
+            self._shared = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

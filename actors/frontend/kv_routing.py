@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -32,9 +32,9 @@ from config.topology import FrontendConfig
 
 from .discovery import Worker, WorkerSet
 from .routing import _candidates
+from .shared_view import SharedRoutingView
 
 log = logging.getLogger(__name__)
-
 
 
 class KvPolicy:
@@ -50,7 +50,10 @@ class KvPolicy:
     name = "kv"
 
     def __init__(self, workers: WorkerSet, bus: BusContext, instances: BucketWatch[InstanceRecord],
-                 config: FrontendConfig, model: str | None, registry: CollectorRegistry | None = None) -> None:
+                 config: FrontendConfig, model: str | None, registry: CollectorRegistry | None = None,
+                 share_as: str | None = None) -> None:
+        """``share_as``: this frontend's instance, when its bookings are shared with other frontends
+        (``actors.frontend.shared_view``: several frontend processes)."""
         self.workers = workers
         # on the frontend's own registry, which its /metrics exports (a private one when none is given)
         self.metrics = RouterMetrics(registry)
@@ -63,6 +66,9 @@ class KvPolicy:
         self.feed_started = asyncio.Event()
         self._feed_task: asyncio.Task[None] | None = None
         self._rr = itertools.count()
+        self.share_as = share_as
+        self.shared: SharedRoutingView | None = None
+        self._unwatch: Callable[[], None] | None = None
         workers.listeners.append(self._on_workers)
         self._on_workers()
 
@@ -99,6 +105,10 @@ class KvPolicy:
             router.latency.set_default_capacity(card.total_kv_blocks * card.kv_block_size or None)
         feed = KvRouterFeed(self.bus, router, model=self.model, instances=self.instances)
         self.router, self.feed = router, feed
+        if self.share_as is not None:
+            shared = self.shared = SharedRoutingView(self.bus, router, self.share_as)
+            # a frontend whose record goes (stopped, or SIGKILLed and expired) books nothing any more
+            self._unwatch = self.instances.subscribe(lambda _k, _v: None, shared.forget_origin)
         self._feed_task = asyncio.get_running_loop().create_task(self._start_feed(feed),
                                                                  name="kv-router-feed-start")
         log.info("kv router built: block size %d, %s cost, %s", block_size,
@@ -108,6 +118,16 @@ class KvPolicy:
         return router
 
     async def _start_feed(self, feed: KvRouterFeed) -> None:
+        if self.shared is not None:  # before the feed's bootstrap: a peer's bookings meanwhile count
+            for attempt in itertools.count():
+                try:
+                    await self.shared.start()
+                    break
+                except Exception as e:  # noqa: BLE001 - bookings are shared once the bus answers
+                    delay = RETRY.delay(attempt)
+                    log.warning("kv router: cannot subscribe to other frontends' bookings (%s); retrying "
+                                "in %.1fs", e, delay)
+                    await asyncio.sleep(delay)
         for attempt in itertools.count():
             try:
                 await feed.start()
@@ -129,6 +149,10 @@ class KvPolicy:
             await cancel_and_wait([self._feed_task])
         if self.feed is not None:
             await self.feed.stop()
+        if self._unwatch is not None:
+            self._unwatch()
+        if self.shared is not None:
+            await self.shared.stop()
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,

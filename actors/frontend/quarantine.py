@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import xxhash
@@ -57,6 +57,9 @@ class Quarantine:
         # fingerprint -> monotonic expiry, in insertion order, which is expiry order (one ttl)
         self._until: dict[str, float] = {}
         self.total = 0
+        # told of each fingerprint this process quarantines (shared with the other frontends:
+        # actors.frontend.shared_quarantine)
+        self.on_added: Callable[[str, str, Sequence[str]], None] | None = None
 
     def __len__(self) -> int:
         """Fingerprints quarantined now: flows skip hashing their prompt while this is 0, so expired
@@ -78,14 +81,29 @@ class Quarantine:
         raise QuarantinedRequest(f"request refused: an identical request was being served by two workers "
                                  f"as each of them died, so it is quarantined for another {left:.0f}s")
 
+    def _insert(self, fp: str) -> None:
+        self._until.pop(fp, None)  # re-added: to the end, keeping insertion order = expiry order
+        if len(self._until) >= self.max_entries:  # bounded: drop the entry closest to expiry
+            del self._until[next(iter(self._until))]
+        self._until[fp] = time.monotonic() + self.ttl
+
+    def adopt(self, fp: str) -> None:
+        """Another frontend quarantined ``fp``: refuse it here too, for ``ttl`` from now (its
+        entry in the shared bucket ends it earlier, through ``release``)."""
+        if self.ttl > 0 and fp not in self._until:
+            self._insert(fp)
+
+    def release(self, fp: str) -> None:
+        """The shared entry of ``fp`` expired (or an operator deleted it): refuse it no more."""
+        self._until.pop(fp, None)
+
     def add(self, fp: str, request_id: str, workers: Sequence[str]) -> PoisonRequest:
         """Quarantine ``fp``; the error to fail the request with."""
         self.total += 1
         if self.ttl > 0:
-            self._until.pop(fp, None)  # re-added: to the end, keeping insertion order = expiry order
-            if len(self._until) >= self.max_entries:  # bounded: drop the entry closest to expiry
-                del self._until[next(iter(self._until))]
-            self._until[fp] = time.monotonic() + self.ttl
+            self._insert(fp)
+            if self.on_added is not None:
+                self.on_added(fp, request_id, workers)
         log.error("request %s quarantined: workers %s died while serving it; not retried%s", request_id,
                   ", ".join(workers), f", identical requests refused for {self.ttl:g}s" if self.ttl > 0 else "")
         return PoisonRequest(f"request failed: the workers serving it ({', '.join(workers)}) died while "

@@ -56,6 +56,10 @@ class KvRouter:
         self._clock = clock
         self._auto_id = 0
         self._decisions: dict[str, Any] = {}  # mode -> labelled counter child (.labels() costs more than .inc())
+        # other frontends' views (actors.router.bookings): told of each booking, prefill and finish
+        self.on_booked: Callable[[str, Worker, int, int, list[int], str | None], None] | None = None
+        self.on_first: Callable[[str], None] | None = None
+        self.on_finished: Callable[[str], None] | None = None
 
     # ---- hot path --------------------------------------------------------------------------------
     def route(self, tokens: Sequence[int], workers: Sequence[Worker], *, request_id: str | None = None,
@@ -91,7 +95,7 @@ class KvRouter:
         if predicted is not None:
             m.predicted_ttft.observe(predicted / 1e3)
         if book:
-            self._book(seqs, real, decision, len(tokens), request_id, predicted)
+            self._book(seqs, real, decision, len(tokens), request_id, predicted, session)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("route %s -> %s/%d overlap=%d/%d cost=%.2f temperature=%.1fms costs (instance, rank, "
                       "overlap, cost, predicted TTFT ms)=%s", request_id,
@@ -135,13 +139,16 @@ class KvRouter:
         return decision
 
     def _book(self, seqs: list[int], real: Mapping[Worker, int], decision: RoutingDecision, n_tokens: int,
-              request_id: str | None, predicted_ttft_ms: float | None = None) -> None:
+              request_id: str | None, predicted_ttft_ms: float | None = None, session: str | None = None) -> None:
         if request_id is None:
             self._auto_id += 1
             request_id = f"auto-{self._auto_id}"
         w = decision.worker
         self.load.add_request(request_id, w, n_tokens, decision.overlap_blocks,
                               None if predicted_ttft_ms is None else (predicted_ttft_ms, self._clock()))
+        if self.on_booked is not None:
+            self.on_booked(request_id, w, n_tokens, decision.overlap_blocks, seqs,
+                           session if self.sessions.ttl > 0 else None)
         if isinstance(self.index, ApproxIndex):
             self.index.record(w, seqs)
             return
@@ -153,6 +160,23 @@ class KvRouter:
         if todo:
             preds.record(w, todo)
         self.metrics.predicted_blocks.set(preds.predicted())
+
+    def book_remote(self, key: str, worker: Worker, n_tokens: int, overlap_blocks: int,
+                    seqs: Sequence[int], session: str | None) -> None:
+        """Another frontend's booking (``actors.router.bookings``): its load on ``worker``, its
+        blocks predicted there until events confirm them, its session bound there."""
+        self.load.add_request(key, worker, n_tokens, overlap_blocks)
+        if isinstance(self.index, ApproxIndex):
+            self.index.record(worker, list(seqs))
+        else:
+            preds = self.predictions
+            assert preds is not None
+            todo = [h for h in seqs if not self.index.holds(h, worker)]
+            if todo:
+                preds.record(worker, todo)
+                self.metrics.predicted_blocks.set(preds.predicted())
+        if session and self.sessions.ttl > 0:
+            self.sessions.bind(session, worker)
 
     def _with_predictions(self, seqs: list[int], real: dict[Worker, int]) -> dict[Worker, int]:
         """Per worker, the longest prefix of ``seqs`` held per the index or predicted."""
@@ -185,6 +209,8 @@ class KvRouter:
 
     def first_token(self, request_id: str) -> None:
         self.load.first_token(request_id)
+        if self.on_first is not None and self.load.tracks(request_id):
+            self.on_first(request_id)
         pred = self.load.take_prediction(request_id)
         if pred is not None:
             self.latency.observe_ttft(1e3 * (self._clock() - pred[1]), pred[0])
@@ -197,6 +223,8 @@ class KvRouter:
 
     def finish(self, request_id: str) -> None:
         out = self.load.finish(request_id)
+        if self.on_finished is not None and out is not None:
+            self.on_finished(request_id)
         if out:
             self.latency.observe_output(out)
 

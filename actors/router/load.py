@@ -84,6 +84,9 @@ class LoadTracker:
         self._load[r.worker].prefill_tokens -= r.prefill_tokens
         r.prefill_tokens = 0
 
+    def tracks(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
     def take_prediction(self, request_id: str) -> tuple[float, float] | None:
         """The prediction ``add_request`` kept for a request still tracked, once."""
         r = self._reqs.get(request_id)

@@ -1,0 +1,121 @@
+"""One frontend OS process of several (``frontend.processes`` > 1):
+
+    python -m actors.frontend.process --topology PATH --index I --supervisors HOST[,HOST...]
+
+The root supervisor starts N of these (``deploy.frontends``). Each inherits the listening socket the
+root bound for ``frontend.http`` (its descriptor number in ``VLLM_ACTORS_HTTP_FD``) and accepts from
+it, has its own NATS connection and its own supervisor (one child: the FrontendActor, instance
+``frontend-<host>-<I>``), served as ``ns.supervisor.<host>.frontend-<I>.*``. It tells the root
+READY=1 once it serves HTTP, and exits 1 when its supervisor gives up or its connection is closed
+for good, so the root restarts it; the root and the other frontend processes go on meanwhile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+
+from bus import event_loop
+from bus.connection import until_closed
+from bus.context import open_context
+from bus.tasks import cancel_and_wait
+from config.loader import load_topology
+from config.topology import Topology
+from config.workers import HTTP_FD_ENV, kv_replicas, overrides_from_env
+from supervisors.child import ChildSpec
+from supervisors.sdnotify import Notifier, serve_root
+from supervisors.service import SupervisorService
+from supervisors.supervisor import Supervisor
+
+from .actor import FrontendActor
+
+log = logging.getLogger(__name__)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def frontend_node(index: int) -> str:
+    """The root's child id of frontend process ``index`` (also its own supervisor's name)."""
+    return f"frontend-{index}"
+
+
+def frontend_instance(host: str, index: int) -> str:
+    return f"frontend-{host}-{index}"
+
+
+async def run_frontend(t: Topology, index: int, sock: socket.socket, supervisors: list[str], *,
+                       stop: asyncio.Event | None = None, notifier: Notifier | None = None) -> int:
+    fe = t.frontend
+    node = frontend_node(index)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    notifier = notifier or Notifier()
+    notifier.status("connecting to NATS")
+    ctx = await open_context(t.bus, t.namespace, fe.host, f"vllm-actors:{t.namespace}:{node}:{os.getpid()}",
+                             kv_replicas(t))
+
+    def start() -> FrontendActor:
+        return FrontendActor(ctx.child(), config=fe, model_config=t.model, instance=frontend_instance(fe.host, index),
+                             pools=t.pools, supervisor_hosts=supervisors, on_status=notifier.status, sock=sock)
+
+    sc = t.supervisor
+    sup = Supervisor(node, [ChildSpec("frontend", start, "permanent", sc.drain_timeout)], strategy="one_for_one",
+                     intensity=sc.intensity, period=sc.period,
+                     backoff={"initial": sc.backoff.initial, "max": sc.backoff.max,
+                              "multiplier": sc.backoff.multiplier, "jitter": sc.backoff.jitter})
+    service = SupervisorService(ctx, sup, node=node)
+    await service.start()
+    lost = asyncio.create_task(until_closed(ctx.nc), name="bus-closed-watch")
+    lost.add_done_callback(lambda _t: stop.set())
+    try:
+        code = await serve_root(sup, stop, notifier, shutdown_timeout=sc.shutdown_timeout)
+    finally:
+        bus_lost = lost.done() and not lost.cancelled()
+        await cancel_and_wait([lost])
+        await service.stop()
+        await ctx.close()
+    if bus_lost:
+        log.error("frontend %s: its NATS connection was closed for good; exiting so it is restarted", node)
+        return EXIT_FAILED
+    return EXIT_OK if code == 0 else EXIT_FAILED
+
+
+def inherited_socket(env: dict[str, str] | None = None) -> socket.socket:
+    raw = (env if env is not None else os.environ).get(HTTP_FD_ENV)
+    if raw is None or not raw.isdigit():
+        raise ValueError(f"{HTTP_FD_ENV} must name the inherited listening socket's descriptor")
+    sock = socket.socket(fileno=int(raw))
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) != 1:
+        raise ValueError(f"descriptor {raw} is not a listening socket")
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m actors.frontend.process", description=__doc__.splitlines()[0])
+    p.add_argument("--topology", required=True)
+    p.add_argument("--index", type=int, required=True)
+    p.add_argument("--supervisors", default="", help="roots whose children views /health reads (comma-separated)")
+    p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s [frontend-{args.index}] %(name)s: %(message)s")
+    try:
+        t = load_topology(args.topology, overrides_from_env())
+        sock = inherited_socket()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return event_loop.run(run_frontend(t, args.index, sock, [h for h in args.supervisors.split(",") if h]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
