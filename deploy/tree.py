@@ -37,7 +37,7 @@ from config.paths import nats_store, profile_dir, profile_path
 from config.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
 from config.workers import bus_url, embeds_nats, kv_replicas, server_name
 from deploy import nats_conf
-from deploy.frontends import HttpListener, frontend_specs
+from deploy.frontends import FrontendProcesses, HttpListener
 from deploy.pools import worker_spec
 from supervisors.child import Child, ChildSpec
 
@@ -195,9 +195,11 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
     if fe.enabled and fe.processes > 1 and fe.host in shares:
         listener = HttpListener(fe.http)
         roots = sorted({link.host if p.host in shares else p.host for p in t.pools.values()})
-        for spec, argv in frontend_specs(t, topology_path, overrides, listener, roots, relay):
-            nodes.append(Node(spec, "process", f"FrontendActor process on the shared socket {fe.http} "
-                              f"(router {fe.router}): {' '.join(argv[1:])}"))
+        for spec, cmd in FrontendProcesses(t, topology_path, overrides, listener, roots, relay).specs():
+            what = ("warm standby frontend process (taken by a frontend process that restarts)"
+                    if spec.id == "frontend-standby" else
+                    f"FrontendActor process on the shared socket {fe.http} (router {fe.router})")
+            nodes.append(Node(spec, "process", f"{what}: {cmd}"))
     for name, pool in t.pools.items():
         if pool.host in shares:
             nodes += _worker_nodes(t, name, pool, topology_path, overrides)

@@ -75,12 +75,14 @@ class ProcessChild:
                  ready: Literal["notify", "spawn"] = "notify", ready_timeout: float = 120.0,
                  normal_exit_codes: Collection[int] = (0,),
                  on_status: Callable[[str], None] | None = None,
-                 pass_fds: Callable[[], Sequence[int]] | None = None) -> None:
+                 pass_fds: Callable[[], Sequence[int]] | None = None, go: bytes | None = None) -> None:
         """``normal_exit_codes``: return codes that count as a normal exit, not a crash (0 always
         does), so a transient child is not restarted; a code other than 0 is reported with the
         child's last STATUS line, which says why it ended. ``pass_fds``: descriptors the child
         inherits (under the same numbers), asked for at each start (a listening socket the
-        parent holds, e.g.)."""
+        parent holds, e.g.). ``go``: the process's stdin is a pipe, and ``start`` writes what ``go`` holds
+        then (set it before): for a process spawned ahead of time (``spawn``) that waits for it (a
+        warm standby)."""
         if not argv:
             raise ValueError("ProcessChild needs a non-empty argv")
         self.name = name
@@ -96,6 +98,8 @@ class ProcessChild:
         self.status: str | None = None  # last STATUS= line the child sent
         self.on_status = on_status
         self.pass_fds = pass_fds
+        self.go = go
+        self._went = False
         self._sock: socket.socket | None = None
         self._reader: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
@@ -109,7 +113,10 @@ class ProcessChild:
     def returncode(self) -> int | None:
         return self.proc.returncode if self.proc is not None else None
 
-    async def start(self) -> None:
+    async def spawn(self) -> None:
+        """Start the OS process without waiting for it to be ready. With ``go``, the process waits
+        for that line on its stdin (a warm standby, ``start`` sends it); otherwise ``start`` calls
+        this itself."""
         if self.proc is not None:
             raise RuntimeError(f"process child {self.name} already started")
         env = dict(os.environ) if self.inherit_env else {}
@@ -127,7 +134,8 @@ class ProcessChild:
         out = open(self.log_file, "ab") if self.log_file else None  # noqa: SIM115 (closed below)
         try:
             self.proc = await asyncio.create_subprocess_exec(
-                *self.argv, env=env, cwd=self.cwd, stdin=asyncio.subprocess.DEVNULL,
+                *self.argv, env=env, cwd=self.cwd,
+                stdin=asyncio.subprocess.PIPE if self.go is not None else asyncio.subprocess.DEVNULL,
                 stdout=out, stderr=asyncio.subprocess.STDOUT if out else None,
                 start_new_session=True, preexec_fn=lambda p=os.getpid(): _die_with_parent(p),
                 pass_fds=tuple(self.pass_fds()) if self.pass_fds is not None else ())
@@ -138,9 +146,23 @@ class ProcessChild:
             if out is not None:
                 out.close()  # the child holds its own descriptor
         log.info("process %s started: pid %d: %s", self.name, self.proc.pid, " ".join(self.argv))
+        if self._sock is not None:
+            self._reader = asyncio.create_task(self._read_notify(), name=f"notify:{self.name}")
+
+    async def start(self) -> None:
+        if self.proc is None:
+            await self.spawn()
+        elif self._went:
+            raise RuntimeError(f"process child {self.name} already started")
+        assert self.proc is not None
+        self._went = True
+        if self.go is not None and self.proc.stdin is not None:
+            self.proc.stdin.write(self.go)
+            with contextlib.suppress(ConnectionError):
+                await self.proc.stdin.drain()
+            self.proc.stdin.close()
         if self._sock is None:
             return
-        self._reader = asyncio.create_task(self._read_notify(), name=f"notify:{self.name}")
         # ready or exited, whichever comes first: the loser is cancelled, and the group makes sure
         # neither waiter outlives this start (nor a cancellation of it)
         async with asyncio.TaskGroup() as race:

@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 
+from actors.models.tiny import resolve_model_path
 from bus import event_loop
 from bus.connection import until_closed
 from bus.context import open_context
@@ -33,6 +34,7 @@ from supervisors.sdnotify import Notifier, serve_root
 from supervisors.service import SupervisorService
 from supervisors.supervisor import Supervisor
 
+from . import preprocess
 from .actor import FrontendActor
 
 log = logging.getLogger(__name__)
@@ -102,19 +104,47 @@ def inherited_socket(env: dict[str, str] | None = None) -> socket.socket:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m actors.frontend.process", description=__doc__.splitlines()[0])
     p.add_argument("--topology", required=True)
-    p.add_argument("--index", type=int, required=True)
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--index", type=int)
+    which.add_argument("--standby", action="store_true",
+                       help="import everything, then read the index from stdin (a warm standby)")
     p.add_argument("--supervisors", default="", help="roots whose children views /health reads (comma-separated)")
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s [frontend-{args.index}] %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format=_log_format(args.index))
     try:
         t = load_topology(args.topology, overrides_from_env())
         sock = inherited_socket()
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    return event_loop.run(run_frontend(t, args.index, sock, [h for h in args.supervisors.split(",") if h]))
+    index = args.index
+    if args.standby:
+        index = await_index(t)
+        if index is None:
+            return EXIT_OK  # the root stopped (or replaced) the standby before it was needed
+        for handler in logging.getLogger().handlers:
+            handler.setFormatter(logging.Formatter(_log_format(index)))
+        log.info("standby taken: serving as frontend process %d", index)
+    return event_loop.run(run_frontend(t, index, sock, [h for h in args.supervisors.split(",") if h]))
+
+
+def _log_format(index: int | None) -> str:
+    return f"%(asctime)s %(levelname)s [{'frontend-standby' if index is None else frontend_node(index)}] %(name)s: %(message)s"
+
+
+def await_index(t: Topology) -> int | None:
+    """A standby's wait: what a start would do before it serves is done now (the imports above, the
+    tokenizer), then the index is read from stdin. None when stdin closes without one."""
+    Notifier().status("standby: imported, waiting to be taken")
+    mc = t.model
+    if mc is not None and not mc.text_mode and (mc.tokenizer or mc.path):
+        try:
+            preprocess.SHARED.get((resolve_model_path(mc.tokenizer or mc.path), mc.chat_template))
+        except Exception as e:  # noqa: BLE001 - the frontend loads it again when it starts, and says why
+            log.warning("standby: tokenizer not preloaded: %s", e)
+    line = sys.stdin.readline().strip()
+    return int(line) if line.isdigit() else None
 
 
 if __name__ == "__main__":
