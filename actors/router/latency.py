@@ -96,7 +96,7 @@ class StepFit:
         self._xtx = np.zeros((4, 4))
         self._xty = np.zeros(4)
         self.steps = 0  # samples seen (not decayed)
-        self.max_prefill = 0  # the largest prefill a step was seen to take: the engine's chunk
+        self.max_prefill = 0  # the largest prefill a step was seen to take: the engine's chunk is at least this
         self._line: StepLine | None = prior
 
     def add(self, samples: Iterable[StepSample]) -> int:
@@ -280,7 +280,10 @@ class LatencyModel:
         fit, source = self.fit_for(worker)
         if fit is None:
             return default_line(self.capacity(worker)), DEFAULT_CHUNK, source
-        return fit.line, fit.max_prefill or DEFAULT_CHUNK, source
+        # the largest prefill seen is a floor of the chunk, not the chunk: a router that has seen only
+        # health canaries (1-token prompts; a frontend process started after the workers) would
+        # otherwise price a 100-token prompt as 100 steps. No vLLM default chunk is below DEFAULT_CHUNK.
+        return fit.line, max(fit.max_prefill, DEFAULT_CHUNK), source
 
     # ---- pricing ----------------------------------------------------------------------------------
     def estimate(self, worker: Worker, state: WorkerState, prompt: int, uncached: int,
@@ -318,7 +321,7 @@ class LatencyModel:
         out: dict[str, dict] = {}
         for w, f in sorted(self._fits.items()):
             ln = f.line
-            out[f"{w[0]}/{w[1]}"] = {"steps": f.steps, "chunk": f.max_prefill, "base_ms": round(ln.base, 3),
+            out[f"{w[0]}/{w[1]}"] = {"steps": f.steps, "chunk": max(f.max_prefill, DEFAULT_CHUNK), "base_ms": round(ln.base, 3),
                                     "prefill_base_ms": round(ln.prefill_base, 3),
                                     "per_prefill_token_us": round(ln.per_prefill * 1e3, 4),
                                     "per_kv_token_us": round(ln.per_kv * 1e3, 5)}
