@@ -152,6 +152,8 @@ class FrontendActor(Actor):
         client = WorkerClient(self.bus, self.config.stall_timeout)
         self.app = FrontendApp(workers=ws, router=router, link=client, config=self.config,
                                model_config=self.model_config, metrics=self.metrics, health=self.health)
+        if self.sock is not None:
+            self.app.process_name = self.instance
         self._site = GuardedSite(self.app.build(), self.config, self.metrics)
         # vLLM's request models read vllm.envs on every request (3 % of the frontend's CPU under load):
         # cache them, as vllm serve does once it has started; nothing changes them in this process

@@ -23,7 +23,7 @@ from .metrics import FrontendMetrics
 from .openai_io import RETRY_AFTER_S, encode_json
 from .pipeline import CompletionPipeline
 from .planning import NotReady, resolve
-from .responses import now
+from .responses import FRONTEND_HEADER, now
 from .routing import Router
 from .tokenize_api import Tokenization
 
@@ -52,6 +52,8 @@ class FrontendApp:
         # what /metrics serves when it is more than this process's series (several processes:
         # actors.frontend.metrics_merge); None: this process's own
         self.render_metrics: Callable[[], Awaitable[bytes]] | None = None
+        # several frontend processes: each response names the one that served it (FRONTEND_HEADER)
+        self.process_name: str | None = None
         self.pipeline = CompletionPipeline(workers=workers, router=router, link=link, config=config,
                                            metrics=self.metrics, model_config=model_config)
         self.tokenization = Tokenization(workers, self.pipeline.preprocessors, self.pipeline.expected,
@@ -77,6 +79,13 @@ class FrontendApp:
         app.router.add_get("/health", self.health)
         app.router.add_get("/live", self.live)
         app.router.add_get("/metrics", self.metrics_handler)
+        if self.process_name is not None:
+            name = self.process_name
+
+            async def name_process(_request: web.Request, response: web.StreamResponse) -> None:
+                response.headers[FRONTEND_HEADER] = name
+
+            app.on_response_prepare.append(name_process)
         return app
 
     @web.middleware

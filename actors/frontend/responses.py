@@ -18,6 +18,8 @@ from .planning import Plan
 
 # The serving worker(s) of a response, and a client's pin to one worker on a request.
 WORKER_HEADER = "x-worker-instance-id"
+# which frontend process served a response, when the frontend runs as several (frontend.processes)
+FRONTEND_HEADER = "x-frontend-instance-id"
 # a client's session id: the kv router keeps the session on one worker while it is not overloaded
 # (Dynamo's header name, so agent harnesses that send it for Dynamo work unchanged)
 SESSION_HEADER = "x-dynamo-session-id"
