@@ -1,11 +1,12 @@
 """The frontend as N OS processes (``frontend.processes`` > 1): the root binds the HTTP address once
-(``HttpListener``) and supervises N ``actors.frontend.process`` children that inherit it.
+(``HttpListener``), accepts on it and hands each connection to one of N ``actors.frontend.process``
+children (``ConnectionDispatcher``; why: ``actors.frontend.handoff``), and keeps one more process
+imported and idle as a warm standby for restarts (``FrontendProcesses``, ``Standby``).
 
 Each process is a ``permanent`` child of the root, beside the workers: a SIGKILLed frontend process
 is restarted alone (the root's strategy is one_for_one by default), while the root keeps
 supervision, the control service and the embedded nats-server, and the other frontend processes
-keep serving from the same socket. Why one inherited socket rather than SO_REUSEPORT:
-``actors.frontend.shared_socket``.
+keep serving.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import logging
 import socket
 import sys
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -36,7 +38,7 @@ READY_TIMEOUT = 60.0
 
 class HttpListener:
     """The frontend's listening socket, bound on first use and held for the root's lifetime: a
-    restarted frontend process accepts from it at once, and the address stays this deployment's."""
+    restarted frontend process is handed connections at once, and the address stays this deployment's."""
 
     def __init__(self, address: str) -> None:
         self.address = address
@@ -48,21 +50,128 @@ class HttpListener:
             host = host.strip("[]") or "0.0.0.0"
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
             self._sock = socket.create_server((host, int(port)), family=family, backlog=BACKLOG)
-            log.info("frontend: listening on %s:%d for %s", host, self._sock.getsockname()[1],
-                     "the frontend processes")
+            self._sock.setblocking(False)
+            log.info("frontend: listening on %s:%d, handing connections to the frontend processes", host,
+                     self._sock.getsockname()[1])
         return self._sock
-
-    def fd(self) -> int:
-        return self.socket().fileno()
-
-    @property
-    def port(self) -> int | None:
-        return int(self._sock.getsockname()[1]) if self._sock is not None else None
 
     def close(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class _Link:
+    __slots__ = ("name", "sock", "ready", "handed")
+
+    def __init__(self, name: str, sock: socket.socket) -> None:
+        self.name = name
+        self.sock = sock
+        self.ready = False
+        self.handed = 0
+
+
+class ConnectionDispatcher:
+    """Accepts on the frontend's address, in the root, and hands each connection to the next ready
+    frontend process (round robin) over that process's Unix socket pair (``actors.frontend.handoff``
+    says why). While no process is ready, the root accepts nothing: connections wait in the backlog."""
+
+    ACCEPT_BATCH = 64  # connections accepted per wake-up, at most
+
+    def __init__(self, listener: HttpListener) -> None:
+        self.listener = listener
+        self._links: list[_Link] = []
+        self._next = 0
+        self._accepting = False
+        self.handed = 0
+
+    def pair(self, name: str) -> tuple[_Link, socket.socket]:
+        """A new process's link: the root's end is watched from now on; the child's end is returned
+        too (pass it to the process, then close it here)."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        link = _Link(name, ours)
+        self._links.append(link)
+        asyncio.get_running_loop().add_reader(ours.fileno(), self._on_link, link)
+        return link, theirs
+
+    def _on_link(self, link: _Link) -> None:
+        try:
+            data = link.sock.recv(16)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the process is gone
+            self._drop(link)
+        elif data.endswith(b"R"):
+            link.ready = True
+            log.debug("frontend: %s takes connections", link.name)
+        elif data.endswith(b"S"):
+            link.ready = False
+        self._update()
+
+    def _drop(self, link: _Link) -> None:
+        asyncio.get_running_loop().remove_reader(link.sock.fileno())
+        link.sock.close()
+        if link in self._links:
+            self._links.remove(link)
+        log.info("frontend: %s gone after %d connections; the other processes take new ones", link.name,
+                 link.handed)
+
+    def _update(self) -> None:
+        want = any(link.ready for link in self._links)
+        if want == self._accepting:
+            return
+        loop = asyncio.get_running_loop()
+        fd = self.listener.socket().fileno()
+        if want:
+            loop.add_reader(fd, self._on_accept)
+        else:
+            loop.remove_reader(fd)
+        self._accepting = want
+
+    def _on_accept(self) -> None:
+        sock = self.listener.socket()
+        for _ in range(self.ACCEPT_BATCH):
+            try:
+                conn, _ = sock.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            except OSError as e:  # out of descriptors: the backlog holds them meanwhile
+                log.warning("frontend: cannot accept a connection: %s", e)
+                return
+            try:
+                self._hand(conn)
+            finally:
+                conn.close()  # the process holds its own copy now (or the client sees a reset)
+
+    def _hand(self, conn: socket.socket) -> None:
+        ready = [link for link in self._links if link.ready]
+        for _ in range(len(ready)):
+            link = ready[self._next % len(ready)]
+            self._next += 1
+            try:
+                socket.send_fds(link.sock, [b"C"], [conn.fileno()])
+            except (BlockingIOError, InterruptedError):
+                continue  # that process is not reading: the next one
+            except OSError:
+                link.ready = False  # gone: its EOF follows
+                continue
+            link.handed += 1
+            self.handed += 1
+            return
+        log.warning("frontend: no frontend process took a connection; it is closed")
+
+    def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._accepting:
+            loop.remove_reader(self.listener.socket().fileno())
+            self._accepting = False
+        for link in list(self._links):
+            loop.remove_reader(link.sock.fileno())
+            link.sock.close()
+        self._links.clear()
 
 
 def frontend_argv(topology_path: str | Path, index: int | None, supervisors: list[str]) -> list[str]:
@@ -86,7 +195,8 @@ class FrontendProcesses:
                  supervisors: list[str], on_status: Callable[[str], None]) -> None:
         self.t = t
         self.topology_path = topology_path
-        self.listener = listener
+        self.dispatcher = ConnectionDispatcher(listener)
+        self._links: weakref.WeakKeyDictionary[ProcessChild, _Link] = weakref.WeakKeyDictionary()
         self.supervisors = supervisors
         self.on_status = on_status
         self.env_overrides = json.dumps(worker_overrides(t, overrides))
@@ -95,12 +205,15 @@ class FrontendProcesses:
 
     def process(self, name: str, index: int | None) -> ProcessChild:
         from supervisors.process import ProcessChild
-        # the descriptor number is only known once bound: read at each start
-        env = {OVERRIDES_ENV: self.env_overrides, HTTP_FD_ENV: str(self.listener.fd())}
-        return ProcessChild(name, frontend_argv(self.topology_path, index, self.supervisors), env=env,
-                            ready_timeout=READY_TIMEOUT, on_status=self.on_status if index is not None else None,
-                            pass_fds=lambda: [self.listener.fd()],
-                            go=b"" if index is None else None)  # a standby's stdin: its index, once taken
+        self.dispatcher.listener.socket()  # bound before any process exists: a taken port fails this start
+        link, theirs = self.dispatcher.pair(name)
+        env = {OVERRIDES_ENV: self.env_overrides, HTTP_FD_ENV: str(theirs.fileno())}
+        child = ProcessChild(name, frontend_argv(self.topology_path, index, self.supervisors), env=env,
+                             ready_timeout=READY_TIMEOUT, on_status=self.on_status if index is not None else None,
+                             pass_fds=lambda: [theirs.fileno()], on_spawned=theirs.close,
+                             go=b"" if index is None else None)  # a standby's stdin: its index, once taken
+        self._links[child] = link
+        return child
 
     def take(self, name: str, index: int) -> ProcessChild:
         """The standby, told to be process ``index``; a cold process when none is alive."""
@@ -109,6 +222,9 @@ class FrontendProcesses:
         if spare is None or spare.returncode is not None:
             return self.process(name, index)
         spare.name, spare.go, spare.on_status = name, f"{index}\n".encode(), self.on_status
+        link = self._links.get(spare)
+        if link is not None:
+            link.name = name  # for the dispatcher's log lines
         return spare
 
     def specs(self) -> list[tuple[ChildSpec, str]]:

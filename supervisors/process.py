@@ -75,14 +75,16 @@ class ProcessChild:
                  ready: Literal["notify", "spawn"] = "notify", ready_timeout: float = 120.0,
                  normal_exit_codes: Collection[int] = (0,),
                  on_status: Callable[[str], None] | None = None,
-                 pass_fds: Callable[[], Sequence[int]] | None = None, go: bytes | None = None) -> None:
+                 pass_fds: Callable[[], Sequence[int]] | None = None, go: bytes | None = None,
+                 on_spawned: Callable[[], None] | None = None) -> None:
         """``normal_exit_codes``: return codes that count as a normal exit, not a crash (0 always
         does), so a transient child is not restarted; a code other than 0 is reported with the
         child's last STATUS line, which says why it ended. ``pass_fds``: descriptors the child
         inherits (under the same numbers), asked for at each start (a listening socket the
         parent holds, e.g.). ``go``: the process's stdin is a pipe, and ``start`` writes what ``go`` holds
         then (set it before): for a process spawned ahead of time (``spawn``) that waits for it (a
-        warm standby)."""
+        warm standby). ``on_spawned``: called once the process exists (to close this side's copies
+        of what ``pass_fds`` gave it)."""
         if not argv:
             raise ValueError("ProcessChild needs a non-empty argv")
         self.name = name
@@ -99,6 +101,7 @@ class ProcessChild:
         self.on_status = on_status
         self.pass_fds = pass_fds
         self.go = go
+        self.on_spawned = on_spawned
         self._went = False
         self._sock: socket.socket | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -145,6 +148,8 @@ class ProcessChild:
         finally:
             if out is not None:
                 out.close()  # the child holds its own descriptor
+            if self.on_spawned is not None:
+                self.on_spawned()
         log.info("process %s started: pid %d: %s", self.name, self.proc.pid, " ".join(self.argv))
         if self._sock is not None:
             self._reader = asyncio.create_task(self._read_notify(), name=f"notify:{self.name}")

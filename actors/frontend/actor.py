@@ -63,12 +63,12 @@ class FrontendActor(Actor):
                  model_config: ModelConfig | None = None, instance: str | None = None,
                  registry_ttl: float | None = None, pools: Mapping[str, PoolConfig] | None = None,
                  supervisor_hosts: list[str] | None = None, on_status: Callable[[str], None] | None = None,
-                 extra_metrics: Sequence[CollectorRegistry] = (), sock: socket.socket | None = None,
+                 extra_metrics: Sequence[CollectorRegistry] = (), link: socket.socket | None = None,
                  **kw: Any) -> None:
         """``extra_metrics``: other registries of this process that /metrics serves (the planner's).
-        ``sock``: the listening socket this process shares with the deployment's other frontend
-        processes (``frontend.processes`` > 1, ``actors.frontend.process``), served instead of
-        binding ``config.http``; with it, routing bookings, quarantine and /metrics are shared."""
+        ``link``: this process's end of the connection hand-over with the root, which accepts on
+        ``config.http`` for the deployment's frontend processes (``frontend.processes`` > 1,
+        ``actors.frontend.handoff``); with it, routing bookings, quarantine and /metrics are shared."""
         self.config = config or FrontendConfig()
         self.model_config = model_config
         super().__init__(bus, instance=instance, role="frontend",
@@ -99,7 +99,7 @@ class FrontendActor(Actor):
             BucketWatch(bus.js, bus.subjects.bucket_loras, self.registry_ttl, dict[str, Any])]
         self._unsubscribe: list[Callable[[], None]] = []
         self.port: int | None = None
-        self.sock = sock
+        self.link = link
         self.shared_quarantine: SharedQuarantine | None = None
         self._scrape_sub: Any = None
 
@@ -141,7 +141,7 @@ class FrontendActor(Actor):
             raise
         model = self.model_config.name if self.model_config else None
 
-        shared = self.sock is not None
+        shared = self.link is not None
 
         def kv() -> KvPolicy:
             return KvPolicy(ws, self.bus, self.instances, self.config, model, registry=self.metrics.registry,
@@ -152,7 +152,7 @@ class FrontendActor(Actor):
         client = WorkerClient(self.bus, self.config.stall_timeout)
         self.app = FrontendApp(workers=ws, router=router, link=client, config=self.config,
                                model_config=self.model_config, metrics=self.metrics, health=self.health)
-        if self.sock is not None:
+        if shared:
             self.app.process_name = self.instance
         self._site = GuardedSite(self.app.build(), self.config, self.metrics)
         # vLLM's request models read vllm.envs on every request (3 % of the frontend's CPU under load):
@@ -164,7 +164,7 @@ class FrontendActor(Actor):
         try:
             if shared:
                 await self._share()
-            self.port = await self._site.start(host, port, sock=self.sock)
+            self.port = await self._site.start(host, port, link=self.link)
         except (OSError, ConnectionError, TimeoutError, nats.errors.Error):
             await self._cleanup()
             raise

@@ -53,9 +53,9 @@ from aiohttp.http import HttpProcessingError
 from bus.errors import ActorError, BadRequest, ClientTimeout, Overloaded, PayloadTooLarge
 from config.topology import FrontendConfig
 
+from .handoff import HandedConnections
 from .metrics import FrontendMetrics
 from .openai_io import RETRY_AFTER_S, error_body
-from .shared_socket import SharedAccept
 
 log = logging.getLogger(__name__)
 
@@ -388,12 +388,13 @@ class GuardedSite:
         self.server: GuardedServer | None = None
         self._app_runner: web.AppRunner | None = None
         self._runner: web.ServerRunner | None = None
-        self._shared: SharedAccept | None = None
+        self._handed: HandedConnections | None = None
 
     async def start(self, host: str, port: int, *, backlog: int = 1024,
-                    sock: socket.socket | None = None) -> int:
-        """Listen; returns the bound port (``port`` 0: a free one). ``sock``: a listening socket
-        shared with other frontend processes, accepted from instead of binding host:port."""
+                    link: socket.socket | None = None) -> int:
+        """Listen; returns the bound port (``port`` 0: a free one). ``link``: serve the connections
+        the root process hands over on this socket instead (several frontend processes:
+        ``actors.frontend.handoff``); returns ``port`` then."""
         _fit_open_files(self.config.max_connections)
         self._app_runner = web.AppRunner(self.app, access_log=None)
         await self._app_runner.setup()
@@ -404,18 +405,18 @@ class GuardedSite:
                                     handler_cancellation=True, access_log=None)
         self._runner = web.ServerRunner(self.server)
         await self._runner.setup()
-        if sock is not None:
-            self._shared = SharedAccept(sock, self.server)
-            self._shared.start()
-            return self._shared.port
+        if link is not None:
+            self._handed = HandedConnections(link, self.server)
+            self._handed.start()
+            return port
         site = web.TCPSite(self._runner, host, port, backlog=backlog, reuse_address=True)
         await site.start()
         return site.port
 
     async def stop(self) -> None:
-        if self._shared is not None:
-            self._shared.stop()
-            self._shared = None
+        if self._handed is not None:
+            self._handed.stop()
+            self._handed = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None

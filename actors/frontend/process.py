@@ -2,9 +2,9 @@
 
     python -m actors.frontend.process --topology PATH --index I --supervisors HOST[,HOST...]
 
-The root supervisor starts N of these (``deploy.frontends``). Each inherits the listening socket the
-root bound for ``frontend.http`` (its descriptor number in ``VLLM_ACTORS_HTTP_FD``) and accepts from
-it, has its own NATS connection and its own supervisor (one child: the FrontendActor, instance
+The root supervisor starts N of these (``deploy.frontends``). The root accepts on ``frontend.http``
+and hands each connection to a process over a Unix socket pair, whose end each process inherits (its
+descriptor number in ``VLLM_ACTORS_HTTP_FD``; ``actors.frontend.handoff``). Each process has its own NATS connection and its own supervisor (one child: the FrontendActor, instance
 ``frontend-<host>-<I>``), served as ``ns.supervisor.<host>.frontend-<I>.*``. It tells the root
 READY=1 once it serves HTTP, and exits 1 when its supervisor gives up or its connection is closed
 for good, so the root restarts it; the root and the other frontend processes go on meanwhile.
@@ -67,7 +67,7 @@ async def run_frontend(t: Topology, index: int, sock: socket.socket, supervisors
 
     def start() -> FrontendActor:
         return FrontendActor(ctx.child(), config=fe, model_config=t.model, instance=frontend_instance(fe.host, index),
-                             pools=t.pools, supervisor_hosts=supervisors, on_status=notifier.status, sock=sock)
+                             pools=t.pools, supervisor_hosts=supervisors, on_status=notifier.status, link=sock)
 
     sc = t.supervisor
     sup = Supervisor(node, [ChildSpec("frontend", start, "permanent", sc.drain_timeout)], strategy="one_for_one",
@@ -91,13 +91,15 @@ async def run_frontend(t: Topology, index: int, sock: socket.socket, supervisors
     return EXIT_OK if code == 0 else EXIT_FAILED
 
 
-def inherited_socket(env: dict[str, str] | None = None) -> socket.socket:
+def inherited_link(env: dict[str, str] | None = None) -> socket.socket:
+    """This process's end of the connection hand-over with the root (actors.frontend.handoff)."""
     raw = (env if env is not None else os.environ).get(HTTP_FD_ENV)
     if raw is None or not raw.isdigit():
-        raise ValueError(f"{HTTP_FD_ENV} must name the inherited listening socket's descriptor")
+        raise ValueError(f"{HTTP_FD_ENV} must name the inherited hand-over socket's descriptor")
     sock = socket.socket(fileno=int(raw))
-    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) != 1:
-        raise ValueError(f"descriptor {raw} is not a listening socket")
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+        sock.detach()
+        raise ValueError(f"descriptor {raw} is not the root's connection hand-over (a Unix SOCK_SEQPACKET socket)")
     return sock
 
 
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr, format=_log_format(args.index))
     try:
         t = load_topology(args.topology, overrides_from_env())
-        sock = inherited_socket()
+        sock = inherited_link()
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -157,13 +157,13 @@ def test_a_request_of_death_quarantined_by_one_process_is_refused_by_the_other(t
     assert code == 200, text
 
 
-async def _worker_streams(d: Deployment) -> dict[str, int]:
+async def _worker_streams(d: Deployment, workers: list[str]) -> dict[str, int]:
     """Each worker's engine requests, running or waiting (its ``stats`` over the bus)."""
     sj = Subjects(d.namespace)
     nc = await nats.connect(d.bus_url)
     try:
         out = {}
-        for inst in d.instances("agg"):
+        for inst in workers:
             msg = await nc.request(sj.worker(inst, "stats"), b"{}", timeout=5)
             stats = json.loads(msg.data)
             out[inst] = stats["num_running"] + stats["num_waiting"]
@@ -176,6 +176,7 @@ async def _kill_under_streams(d: Deployment, victim: str) -> dict[str, Any]:
     body = sc.stream_body(1500)
     children = {c["id"]: c for c in await sc.root_children(d.bus_url, d.namespace)}
     pid = children[f"frontend-{victim[-1]}"]["pid"]
+    workers = d.instances("agg")  # read now: a connection handed to the process as it dies is reset
     started: list[asyncio.Event] = [asyncio.Event() for _ in range(32)]
     outcome: list[dict[str, Any]] = [{} for _ in range(32)]
 
@@ -201,7 +202,7 @@ async def _kill_under_streams(d: Deployment, victim: str) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=180)) as s:
         tasks = [asyncio.create_task(stream(i, s)) for i in range(32)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-        in_flight_before = sum((await _worker_streams(d)).values())
+        in_flight_before = sum((await _worker_streams(d, workers)).values())
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         # the killed process's engine requests end: what is left in flight is the survivors' streams
@@ -209,7 +210,7 @@ async def _kill_under_streams(d: Deployment, victim: str) -> dict[str, Any]:
         left: dict[str, int] = {}
         end = t_kill + 15
         while time.monotonic() < end:
-            left = await _worker_streams(d)
+            left = await _worker_streams(d, workers)
             survivors_running = sum(1 for o in outcome if o.get("process") != victim and not o.get("done"))
             if sum(left.values()) == survivors_running:
                 break
@@ -230,7 +231,7 @@ async def _kill_under_streams(d: Deployment, victim: str) -> dict[str, Any]:
         await asyncio.wait_for(asyncio.gather(*tasks), 150)
     idle = {}
     for _ in range(50):
-        idle = await _worker_streams(d)
+        idle = await _worker_streams(d, workers)
         if not any(idle.values()):
             break
         await asyncio.sleep(0.2)
