@@ -176,7 +176,8 @@ class Registry:
         self._values.clear()
 
     async def watch(self, key_filter: str = ">") -> AsyncIterator[RegistryEvent]:
-        """Current entries first (as ``added``), then changes. Unchanged heartbeats are not reported.
+        """Current entries first (as ``added``), then changes. Unchanged heartbeats are not reported;
+        a removal is, also of a key not seen as ``added`` here (consumers ignore unknown keys).
 
         Consume it from its own task: cancelling a pending ``__anext__`` (e.g. ``wait_for`` timing out)
         closes an async generator, so the watch would end.
@@ -193,8 +194,11 @@ class Registry:
                 if entry is None:  # end of the initial snapshot
                     continue
                 if entry.operation in (KV_DEL, KV_PURGE):
-                    if known.pop(entry.key, None) is not None:
-                        yield RegistryEvent("removed", entry.key, None)
+                    # reported even for a key this watch never saw: a reader that listed the bucket
+                    # before this watch began (BucketWatch.start) may hold it, and a delete made in
+                    # between arrives here only as the key's last (delete) marker
+                    known.pop(entry.key, None)
+                    yield RegistryEvent("removed", entry.key, None)
                     continue
                 value = entry.value or b""
                 prev = known.get(entry.key)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from actors.frontend.handoff import CONNECTION, READY, STOPPED
 from config.topology import Topology
 from config.workers import HTTP_FD_ENV, OVERRIDES_ENV, worker_overrides
 from supervisors.child import Child, ChildSpec
@@ -104,10 +105,10 @@ class ConnectionDispatcher:
             data = b""
         if not data:  # the process is gone
             self._drop(link)
-        elif data.endswith(b"R"):
+        elif data.endswith(READY):
             link.ready = True
             log.debug("frontend: %s takes connections", link.name)
-        elif data.endswith(b"S"):
+        elif data.endswith(STOPPED):
             link.ready = False
         self._update()
 
@@ -152,7 +153,7 @@ class ConnectionDispatcher:
             link = ready[self._next % len(ready)]
             self._next += 1
             try:
-                socket.send_fds(link.sock, [b"C"], [conn.fileno()])
+                socket.send_fds(link.sock, [CONNECTION], [conn.fileno()])
             except (BlockingIOError, InterruptedError):
                 continue  # that process is not reading: the next one
             except OSError:

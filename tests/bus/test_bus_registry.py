@@ -91,6 +91,19 @@ async def test_ttl_expiry_reaches_watcher_as_removal(bus: BusContext) -> None:
     await watch.aclose()
 
 
+async def test_a_delete_made_before_the_watch_began_is_reported(bus: BusContext) -> None:
+    """A reader lists the bucket, then watches it (BucketWatch.start): a key deleted in between is
+    seen by the watch only as that key's last (delete) marker, and must still be reported."""
+    reg = Registry(bus.js, bus.subjects.bucket_instances, ttl=30.0)
+    await reg.ensure()
+    await reg.put("listed", b"1")
+    assert await reg.items() == {"listed": b"1"}  # what the reader holds
+    await reg.kv.delete("listed")
+    watch = reg.watch()
+    assert await next_event(watch) == RegistryEvent("removed", "listed", None)
+    await watch.aclose()
+
+
 async def test_heartbeat_keeps_entry_and_deregister_is_immediate(bus: BusContext) -> None:
     reg = Registry(bus.js, bus.subjects.bucket_instances, ttl=1.0)
     await reg.ensure()

@@ -59,6 +59,21 @@ def test_check_lists_workers_per_host_and_frontend(tmp_path: Path) -> None:
     assert "host local: " in r.stdout and "] actor: FrontendActor http://127.0.0.1:8000/v1" in r.stdout
 
 
+def test_check_lists_the_frontend_processes_and_their_standby() -> None:
+    topo = ROOT / "topologies" / "mocker-agg.toml"
+    r = cli(str(topo), "--check", "--set", "frontend.processes=3")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    ids = [line.split()[1] for line in lines if line.startswith("  - ")]
+    assert ids == ["nats", "inproc", "frontend-0", "frontend-1", "frontend-2", "frontend-standby", "worker-agg-0"]
+    inproc = [line.split()[1] for line in lines if line.startswith("      - ")]
+    assert inproc == ["bus", "control"]  # the frontend left the root process
+    assert f"-m actors.frontend.process --topology {topo} --index 2 --supervisors local" in r.stdout
+    assert f"-m actors.frontend.process --topology {topo} --standby --supervisors local" in r.stdout
+    r = cli(str(topo), "--check", "--set", "frontend.processes=0")
+    assert r.returncode == 2 and "frontend.processes: expected 1..64 processes, got 0" in r.stderr
+
+
 def test_check_bad_topology_exits_2_with_the_error() -> None:
     bad = "tests/fixtures/topologies/bad_replicas_zero.toml"
     r = cli(bad, "--check")

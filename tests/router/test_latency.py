@@ -329,7 +329,6 @@ def test_steps_of_tiny_prefills_do_not_shrink_the_chunk() -> None:
     """A router that has seen only health canaries (1-token prefills, as a frontend process started
     after its workers sees) prices a 1,000-token prompt as one prefill step, not 1,000."""
     w = ("a", 0)
-    line = StepLine(base=6.0, prefill_base=2.0, per_prefill=0.015, per_kv=0.0)
     canaries = [StepSample(prefill_tokens=1, decode_requests=0, kv_tokens=0, elapsed_ms=8.015) for _ in range(20)]
     m = LatencyModel()
     m.observe(w, canaries, 65536)
