@@ -75,6 +75,7 @@ class Result:
     stack: str
     mode: str
     workers: int
+    processes: int  # our frontend's processes (frontend.processes); 1 for Dynamo
     requests: int
     errors: int
     seconds: float
@@ -182,8 +183,9 @@ class Ours(Stack):
     """Our stack from this checkout, or from ``tree`` (another checkout of the project, e.g. a
     ``git worktree`` of the commit before a change: ``--baseline DIR``), with this checkout's venv."""
 
-    def __init__(self, mode: str, workers: int, logdir: Path, tree: Path = ROOT) -> None:
+    def __init__(self, mode: str, workers: int, logdir: Path, tree: Path = ROOT, processes: int = 1) -> None:
         self.port = free_port()
+        self.processes = processes
         bus = free_port()
         ns = f"fb{os.getpid()}{mode[:2]}"
         cmd = [str(ROOT / ".venv/bin/python"), "-m", "actors.supervisor",
@@ -191,11 +193,40 @@ class Ours(Stack):
                "--set", f"frontend.http=127.0.0.1:{self.port}", "--set", f"frontend.router={mode}",
                "--set", f"namespace={ns}", "--set", f"run_dir={logdir / 'run'}",
                "--set", f"pools.agg.replicas={workers}", "--log-level", "WARNING"]
+        if processes > 1:
+            cmd += ["--set", f"frontend.processes={processes}"]
         self.cmd = cmd
         log = open(logdir / "ours.log", "w")
         env = dict(os.environ, PYTHONPATH=str(tree))  # its packages, not the venv's editable install
         self.procs = [subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)]
         self.frontend_pid = self.procs[0].pid
+
+    def frontend_pids(self) -> list[int]:
+        """The root (it accepts and hands connections over) and, with several, the frontend
+        processes (and their idle standby)."""
+        pids = [self.frontend_pid]
+        for pid in tree(self.frontend_pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"actors.frontend.process" in cmd:
+                pids.append(pid)
+        return pids
+
+    def wait_all_frontends(self, timeout: float = 120) -> None:
+        """Until one scrape of /metrics has every frontend process's answer."""
+        end = time.monotonic() + timeout
+        while self.processes > 1 and time.monotonic() < end:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
+                    if re.search(rb"^frontend_scrape_missing 0\.0$", r.read(), re.M):
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        if self.processes > 1:
+            raise RuntimeError(f"not every frontend process answers after {timeout}s")
 
 
 class Dynamo(Stack):
@@ -233,10 +264,10 @@ class Dynamo(Stack):
 
 
 def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conns: int,
-            peer: Peer, per_process: bool = False, spy: bool = False) -> Result:
+            peer: Peer, per_process: bool = False, spy: bool = False, processes: int = 1) -> Result:
     logdir = Path(tempfile.mkdtemp(prefix=f"fbench-{kind}-{mode}-"))
     if kind == "ours":
-        stack: Stack = Ours(mode, workers, logdir)
+        stack: Stack = Ours(mode, workers, logdir, processes=processes)
     elif kind == "base":
         assert peer.baseline is not None
         stack = Ours(mode, workers, logdir, tree=peer.baseline)
@@ -246,25 +277,29 @@ def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conn
                        peer.dynamo_venv, peer.model_dir)
     try:
         up = wait_up(stack.port, stack.procs)
-        print(f"[{kind} {mode} x{workers}] up after {up:.1f}s on :{stack.port} (logs {logdir})",
+        if isinstance(stack, Ours):
+            stack.wait_all_frontends()
+        fe_pids = stack.frontend_pids() if isinstance(stack, Ours) else [stack.frontend_pid]
+        kind_n = f"{kind} {processes}p" if kind == "ours" else kind
+        print(f"[{kind_n} {mode} x{workers}] up after {up:.1f}s on :{stack.port} (logs {logdir})",
               file=sys.stderr)
         out, _ = run_wrk(stack.port, warmup, conns, peer.chat_lua)
         n_w, e_w, *_ = parse_wrk(out)
         if n_w == 0 or e_w:
             raise RuntimeError(f"warm-up failed ({n_w} requests, {e_w} errors):\n{out}")
         time.sleep(1)
-        fe0, st0, busy0 = own_cpu(stack.frontend_pid), tree_cpu(*stack.roots()), machine_busy()
+        fe0, st0, busy0 = sum(own_cpu(p) for p in fe_pids), tree_cpu(*stack.roots()), machine_busy()
         with open("/proc/loadavg") as f:
             load = " ".join(f.read().split()[:3])
         with ProcessProfile(stack.roots(), spy=spy, out_dir=logdir / "spy") as prof:
             out, wrk_cpu = run_wrk(stack.port, duration, conns, peer.chat_lua)
-        fe1, st1, busy1 = own_cpu(stack.frontend_pid), tree_cpu(*stack.roots()), machine_busy()
+        fe1, st1, busy1 = sum(own_cpu(p) for p in fe_pids), tree_cpu(*stack.roots()), machine_busy()
         per = prof.by_role()
         n, errs, secs, rps, lat = parse_wrk(out)
-        r = Result(kind, mode, workers, n, errs, secs, rps, lat, fe1 - fe0, st1 - st0, wrk_cpu,
+        r = Result(kind, mode, workers, processes if kind == "ours" else 1, n, errs, secs, rps, lat, fe1 - fe0, st1 - st0, wrk_cpu,
                    busy1 - busy0, load, per,
                    prof.table(n, n * TOKENS, f"{kind} {mode}, {workers} worker(s)") if per_process else "")
-        print(f"[{kind} {mode} x{workers}] {rps:.0f} req/s, {n} req, {errs} errors, lat {lat}, "
+        print(f"[{kind_n} {mode} x{workers}] {rps:.0f} req/s, {n} req, {errs} errors, lat {lat}, "
               f"frontend {r.frontend_ms_per_req:.2f} ms/req, stack {r.stack_ms_per_req:.2f} ms/req, "
               f"per-process {per}, wrk {wrk_cpu:.1f}s, machine busy {r.machine_busy_s:.1f}s "
               f"of {2 * secs:.0f}s, load {load}", file=sys.stderr)
@@ -287,6 +322,8 @@ def main() -> None:
     ap.add_argument("--kv-workers", type=int, default=4)
     ap.add_argument("--rr-workers", type=int, default=1)
     ap.add_argument("--only", choices=["ours", "dynamo"], default=None)
+    ap.add_argument("--frontend-processes", default="1",
+                    help="our frontend's processes to measure, comma-separated (e.g. 1,2,4): each is a stack")
     ap.add_argument("--modes", default="round_robin,kv")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--per-process", action="store_true",
@@ -316,25 +353,41 @@ def main() -> None:
                 if (a.only and kind != a.only and not (kind == "base" and a.only == "ours")
                         or kind == "base" and a.baseline is None):
                     continue
-                results.append(measure(kind, mode, workers, a.duration, a.warmup, a.connections, peer,
-                                       per_process=a.per_process or a.profile, spy=a.profile))
-    print("\n| stack | mode | workers | req/s | errors | frontend CPU ms/req | stack CPU ms/req |"
-          " per-process CPU s | machine busy s | load before |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+                for n in ([int(x) for x in a.frontend_processes.split(",")] if kind == "ours" else [1]):
+                    results.append(measure(kind, mode, workers, a.duration, a.warmup, a.connections, peer,
+                                           per_process=a.per_process or a.profile, spy=a.profile, processes=n))
+    print("\n| stack | mode | workers | frontend processes | req/s | errors | frontend CPU ms/req |"
+          " stack CPU ms/req | per-process CPU s | machine busy s | load before |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r.stack} | {r.mode} | {r.workers} | {r.rps:.0f} | {r.errors} | "
+        print(f"| {r.stack} | {r.mode} | {r.workers} | {r.processes} | {r.rps:.0f} | {r.errors} | "
               f"{r.frontend_ms_per_req:.2f} | {r.stack_ms_per_req:.2f} | {r.per_process_cpu_s} | "
               f"{r.machine_busy_s:.1f} / {2 * r.seconds:.0f} | {r.loadavg_before} |")
     for mode in a.modes.split(","):
         med = lambda xs: statistics.median(xs)  # noqa: E731
         for side, ref in (("ours", "dynamo"), ("ours", "base"), ("base", "dynamo")):
-            o = [r for r in results if r.stack == side and r.mode == mode]
+            o = [r for r in results if r.stack == side and r.mode == mode and r.processes == 1]
             d = [r for r in results if r.stack == ref and r.mode == mode]
             if o and d:
                 print(f"{mode} (medians of {len(o)} / {len(d)}): {side}/{ref} req/s "
                       f"{med([r.rps for r in o]) / med([r.rps for r in d]):.2f}, "
                       f"frontend CPU/req {med([r.frontend_ms_per_req for r in o]) / med([r.frontend_ms_per_req for r in d]):.2f}, "
                       f"stack CPU/req {med([r.stack_ms_per_req for r in o]) / med([r.stack_ms_per_req for r in d]):.2f}")
+        ours_n = sorted({r.processes for r in results if r.stack == "ours" and r.mode == mode})
+        one = [r for r in results if r.stack == "ours" and r.mode == mode and r.processes == 1]
+        for n in ours_n:
+            many = [r for r in results if r.stack == "ours" and r.mode == mode and r.processes == n]
+            dyn = [r for r in results if r.stack == "dynamo" and r.mode == mode]
+            parts = []
+            if one and n != 1:
+                parts.append(f"vs 1 process: req/s {med([r.rps for r in many]) / med([r.rps for r in one]):.2f}, "
+                             f"stack CPU/req {med([r.stack_ms_per_req for r in many]) / med([r.stack_ms_per_req for r in one]):.2f}, "
+                             f"frontend CPU/req {med([r.frontend_ms_per_req for r in many]) / med([r.frontend_ms_per_req for r in one]):.2f}")
+            if dyn:
+                parts.append(f"vs dynamo: req/s {med([r.rps for r in many]) / med([r.rps for r in dyn]):.2f}, "
+                             f"stack CPU/req {med([r.stack_ms_per_req for r in many]) / med([r.stack_ms_per_req for r in dyn]):.2f}")
+            if parts:
+                print(f"{mode}, ours with {n} frontend process(es) (medians of {len(many)}): " + "; ".join(parts))
     for r in results:
         if r.profile_table:
             print("\n" + r.profile_table)
