@@ -8,7 +8,8 @@ the per-process markdown table of docs/benchmarks.md, so a change to the hot pat
 the same rows before and after.
 
 Roles (``role_of``): ``frontend`` (our supervisor root, which hosts the OpenAI frontend and the
-router; Dynamo's ``dynamo.frontend``), ``api-server`` (``vllm serve``'s process), ``worker``
+router, or with ``frontend.processes`` > 1 hands connections to its ``actors.frontend.process``
+children, which count as frontend too; Dynamo's ``dynamo.frontend``), ``api-server`` (``vllm serve``'s process), ``worker``
 (a worker process: the bus side and vLLM's AsyncLLM output handling, or the whole mocker),
 ``engine`` (vLLM's EngineCore, a child of a worker or of the api server), ``nats-server``.
 
@@ -46,7 +47,8 @@ def role_of(pid: int) -> str:
     c = cmdline(pid)
     if "nats-server" in c:
         return "nats-server"
-    if "actors.supervisor" in c or "deploy.cli" in c or "dynamo.frontend" in c:
+    if ("actors.supervisor" in c or "deploy.cli" in c or "dynamo.frontend" in c
+            or "actors.frontend.process" in c):  # frontend.processes > 1: the root hands over to these
         return "frontend"
     if "actors.worker" in c or "dynamo.mocker" in c:
         return "worker"

@@ -249,7 +249,7 @@ class FrontendProcesses:
 
 class Standby:
     """The root child that keeps ``FrontendProcesses.spare`` filled: a new standby is started each
-    time one is taken or dies."""
+    time one is taken (checked each second, and at once when a frontend process takes it)."""
 
     def __init__(self, pool: FrontendProcesses) -> None:
         self.pool = pool
@@ -267,11 +267,19 @@ class Standby:
             pool.spare = spare
 
     async def wait(self) -> None:
+        """Refill when the standby is taken; a standby that dies on its own is a crash of this child
+        (its supervisor restarts it with backoff, and counts it)."""
         while not self._stopped.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.pool.taken.wait(), 1.0)
-            if not self._stopped.is_set():
-                await self._fill()  # taken, or died (checked each second)
+            if self._stopped.is_set():
+                return
+            spare = self.pool.spare
+            if spare is not None and spare.returncode is not None:
+                self.pool.spare = None
+                await spare.stop(None)  # its notify socket and reader
+                raise RuntimeError(f"the frontend standby (pid {spare.pid}) exited with {spare.returncode}")
+            await self._fill()
 
     async def stop(self, timeout: float | None) -> None:
         self._stopped.set()

@@ -180,6 +180,7 @@ class FrontendActor(Actor):
             self.shared_quarantine = SharedQuarantine(self.bus, self.app.pipeline.deps.quarantine, self.instance)
             await self.shared_quarantine.start()
         self._scrape_sub = await self.bus.nc.subscribe(self.bus.subjects.frontend_scrape(), cb=self._on_scrape)
+        await self.bus.nc.flush()  # registered before this process is handed connections
         nc, subject, others = self.bus.nc, self.bus.subjects.frontend_scrape(), self.config.processes - 1
 
         async def render() -> bytes:

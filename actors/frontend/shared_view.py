@@ -44,6 +44,7 @@ class SharedRoutingView:
         """Subscribe to the other frontends' bookings, then publish ours."""
         sj = self.bus.subjects
         self._sub = await self.bus.nc.subscribe(sj.router_bookings_all(), cb=self._on_batch)
+        await self.bus.nc.flush()  # the server has the subscription: what others book from now on arrives
         r = self.router
         r.on_booked, r.on_first, r.on_finished = self._booked, self._first, self._finished
         self._sweeper = asyncio.create_task(self._sweep(), name="router-bookings-sweep")
