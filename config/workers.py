@@ -63,6 +63,17 @@ def worker_child_id(pool: str, replica: int) -> str:
     return f"worker-{pool}-{replica}"
 
 
+def frontend_child_id(index: int) -> str:
+    """The root's child id of frontend process ``index`` (``frontend.processes`` > 1; also the name
+    of that process's own supervisor)."""
+    return f"frontend-{index}"
+
+
+def frontend_instance(host: str, index: int) -> str:
+    """Frontend process ``index``'s actor instance (its registry key, its /metrics label)."""
+    return f"frontend-{host}-{index}"
+
+
 def worker_argv(topology_path: str | Path, pool: str, replica: int) -> list[str]:
     """The command of a worker process: no override on it (they travel in ``worker_env``)."""
     return [sys.executable, "-m", "actors.worker.process", "--topology", str(Path(topology_path).resolve()),

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from actors.frontend.handoff import CONNECTION, READY, STOPPED
 from config.topology import Topology
-from config.workers import HTTP_FD_ENV, OVERRIDES_ENV, worker_overrides
+from config.workers import HTTP_FD_ENV, OVERRIDES_ENV, frontend_child_id, worker_overrides
 from supervisors.child import Child, ChildSpec
 
 if TYPE_CHECKING:
@@ -233,7 +233,7 @@ class FrontendProcesses:
         out = []
         drain = self.t.supervisor.drain_timeout + 5.0  # drains its streams, as the in-process frontend does
         for i in range(self.t.frontend.processes):
-            cid = f"frontend-{i}"
+            cid = frontend_child_id(i)
 
             def start(cid: str = cid, i: int = i) -> Child:
                 return self.take(cid, i)

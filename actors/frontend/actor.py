@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
-import nats.errors
 from prometheus_client import CollectorRegistry
 
 from actors.base import Actor, Endpoint
@@ -165,7 +164,7 @@ class FrontendActor(Actor):
             if shared:
                 await self._share()
             self.port = await self._site.start(host, port, link=self.link)
-        except (OSError, ConnectionError, TimeoutError, nats.errors.Error):
+        except BaseException:  # a taken port, a bus that does not answer the shared parts' setup, a stop
             await self._cleanup()
             raise
         log.info("frontend %s serving OpenAI API on http://%s:%d/v1 (router %s)", self.instance, host,

@@ -124,6 +124,7 @@ class KvPolicy:
                     await self.shared.start()
                     break
                 except Exception as e:  # noqa: BLE001 - bookings are shared once the bus answers
+                    await self.shared.stop()  # no half-made subscription left behind
                     delay = RETRY.delay(attempt)
                     log.warning("kv router: cannot subscribe to other frontends' bookings (%s); retrying "
                                 "in %.1fs", e, delay)

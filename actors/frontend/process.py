@@ -3,8 +3,9 @@
     python -m actors.frontend.process --topology PATH --index I --supervisors HOST[,HOST...]
 
 The root supervisor starts N of these (``deploy.frontends``). The root accepts on ``frontend.http``
-and hands each connection to a process over a Unix socket pair, whose end each process inherits (its
-descriptor number in ``VLLM_ACTORS_HTTP_FD``; ``actors.frontend.handoff``). Each process has its own NATS connection and its own supervisor (one child: the FrontendActor, instance
+and hands each connection to a process over a Unix socket pair, whose end each process inherits
+(its descriptor number in ``VLLM_ACTORS_HTTP_FD``; ``actors.frontend.handoff``). Each process has
+its own NATS connection and its own supervisor (one child: the FrontendActor, instance
 ``frontend-<host>-<I>``), served as ``ns.supervisor.<host>.frontend-<I>.*``. It tells the root
 READY=1 once it serves HTTP, and exits 1 when its supervisor gives up or its connection is closed
 for good, so the root restarts it; the root and the other frontend processes go on meanwhile.
@@ -28,7 +29,7 @@ from bus.context import open_context
 from bus.tasks import cancel_and_wait
 from config.loader import load_topology
 from config.topology import Topology
-from config.workers import HTTP_FD_ENV, kv_replicas, overrides_from_env
+from config.workers import HTTP_FD_ENV, frontend_child_id, frontend_instance, kv_replicas, overrides_from_env
 from supervisors.child import ChildSpec
 from supervisors.sdnotify import Notifier, serve_root
 from supervisors.service import SupervisorService
@@ -42,19 +43,10 @@ log = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
-def frontend_node(index: int) -> str:
-    """The root's child id of frontend process ``index`` (also its own supervisor's name)."""
-    return f"frontend-{index}"
-
-
-def frontend_instance(host: str, index: int) -> str:
-    return f"frontend-{host}-{index}"
-
-
 async def run_frontend(t: Topology, index: int, sock: socket.socket, supervisors: list[str], *,
                        stop: asyncio.Event | None = None, notifier: Notifier | None = None) -> int:
     fe = t.frontend
-    node = frontend_node(index)
+    node = frontend_child_id(index)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -132,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _log_format(index: int | None) -> str:
-    return f"%(asctime)s %(levelname)s [{'frontend-standby' if index is None else frontend_node(index)}] %(name)s: %(message)s"
+    name = "frontend-standby" if index is None else frontend_child_id(index)
+    return f"%(asctime)s %(levelname)s [{name}] %(name)s: %(message)s"
 
 
 def await_index(t: Topology) -> int | None:
