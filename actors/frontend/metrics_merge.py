@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 log = logging.getLogger(__name__)
 
 LABEL = "frontend"
-GATHER_TIMEOUT = 1.0
+GATHER_TIMEOUT = 3.0  # a busy process answers late; Prometheus waits 10 s for a scrape by default
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(tuple[str, bytes])
 

@@ -182,7 +182,9 @@ async def test_gather_asks_every_process_over_the_bus(bus: BusContext, peer: Bus
     sub = await peer.nc.subscribe(subject, cb=answer)
     await peer.nc.flush()
     try:
-        text = (await metrics_merge.gather(bus.nc, subject, "p0", exposition(2, 0.05), expected=1)).decode()
+        # returns once both answered (the timeout only bounds a loaded box's wait)
+        text = (await metrics_merge.gather(bus.nc, subject, "p0", exposition(2, 0.05), expected=1,
+                                           timeout=10.0)).decode()
         assert samples(text, "frontend_requests_total") == {"p0": 2.0, "p1": 5.0}
         # one process more than answers: it is reported missing, after the timeout
         text = (await metrics_merge.gather(bus.nc, subject, "p0", exposition(2, 0.05), expected=2,
