@@ -44,7 +44,7 @@ class InstanceConfirmer:
     recheck: float = 2.0  # seconds between probes of confirmed instances
     _probing: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False)
     _rechecker: asyncio.Task[None] | None = field(default=None, init=False)
-    _answered: set[str] = field(default_factory=set, init=False)  # keys whose first probe has answered
+    _answered: set[str] = field(default_factory=set, init=False)  # keys whose first probe has ended
 
     def put(self, key: str, value: InstanceRecord) -> None:
         """A ``BucketWatch`` put of ``<ns>-instances``: apply it, probe a new incarnation."""
@@ -65,19 +65,15 @@ class InstanceConfirmer:
             task.cancel()
 
     async def settled(self, timeout: float) -> bool:
-        """Wait (at most ``timeout``) until every record seen so far has had its first answer: each
-        probe either confirmed its record or found it dead once. True when none is still waiting."""
+        """Wait (at most ``timeout``) until the first probe of every unconfirmed record seen so far
+        has ended: it confirmed its record, found it gone, or timed out. True when none is pending."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while loop.time() < deadline:
-            if not any(self.workers.needs_confirmation(key) and self._first_answer_pending(key)
-                       for key in self._probing):
+            if not any(self.workers.needs_confirmation(key) and key not in self._answered for key in self._probing):
                 return True
             await asyncio.sleep(0.02)
         return False
-
-    def _first_answer_pending(self, key: str) -> bool:
-        return key not in self._answered
 
     async def close(self) -> None:
         tasks = list(self._probing.values()) + ([self._rechecker] if self._rechecker else [])

@@ -76,3 +76,14 @@ async def test_a_worker_that_vanishes_without_deregistering_is_dropped_before_it
     assert fe.workers.record(live.instance) is not None or await reg.get(live.instance) is not None
     async with http.get(deploy.url + "/health") as r:
         assert r.status == 503
+
+
+async def test_settled_returns_once_the_first_probes_have_ended(deploy: Any) -> None:
+    """What a frontend process waits for before it takes connections (frontend.processes > 1): once
+    ``settled`` says so, a live worker's record is confirmed and a ghost's is not routed to."""
+    live = await deploy.worker()
+    await write_ghost(deploy, "agg-0-dead01")
+    fe = await deploy.start_frontend()
+    assert fe._confirmer is not None
+    assert await fe._confirmer.settled(5.0)
+    assert [w.instance for w in fe.workers.ready_instances()] == [live.instance]
