@@ -19,6 +19,12 @@ from urllib.parse import urlsplit
 log = logging.getLogger(__name__)
 
 
+def split_hostport(addr: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) as (host, port); an empty host is every interface."""
+    host, _, port = addr.rpartition(":")
+    return (host.strip("[]") or "0.0.0.0"), int(port)
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -226,8 +226,8 @@ class FrontendConfig(_Strict):
     observe_interval: float = 2.0
     # OS processes serving the frontend's HTTP address. 1: the frontend runs in the root process
     # (no extra hop, the planner's series beside its own). N > 1: N supervised child processes that
-    # accept from one listening socket the root binds, and share their routing bookings, quarantine
-    # and /metrics over the bus (actors.frontend.process)
+    # serve the connections the root accepts and hands over, and share their routing bookings,
+    # quarantine and /metrics over the bus (deploy.frontends, actors.frontend.process)
     processes: int = 1
     media: MediaConfig = msgspec.field(default_factory=MediaConfig)
 

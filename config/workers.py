@@ -19,9 +19,9 @@ import msgspec
 from config.topology import BusConfig, PoolConfig, Topology
 
 OVERRIDES_ENV = "VLLM_ACTORS_SET"  # JSON list of "key.path=value" overrides for a worker process
-# a frontend process (frontend.processes > 1): the descriptor number of the listening socket it
-# inherits from the root (deploy.frontends, actors.frontend.process)
-HTTP_FD_ENV = "VLLM_ACTORS_HTTP_FD"
+# a frontend process (frontend.processes > 1): the descriptor number of its end of the connection
+# hand-over with the root (deploy.frontends, actors.frontend.handoff)
+HANDOFF_FD_ENV = "VLLM_ACTORS_HANDOFF_FD"
 MAX_REPLICA = 1023  # replica indices a spawn may ask for (ports and names are derived from them)
 
 

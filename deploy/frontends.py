@@ -17,14 +17,14 @@ import json
 import logging
 import socket
 import sys
-import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from actors.frontend.handoff import CONNECTION, READY, STOPPED
+from bus.addresses import split_hostport
 from config.topology import Topology
-from config.workers import HTTP_FD_ENV, OVERRIDES_ENV, frontend_child_id, worker_overrides
+from config.workers import HANDOFF_FD_ENV, OVERRIDES_ENV, frontend_child_id, worker_overrides
 from supervisors.child import Child, ChildSpec
 
 if TYPE_CHECKING:
@@ -47,10 +47,9 @@ class HttpListener:
 
     def socket(self) -> socket.socket:
         if self._sock is None:
-            host, _, port = self.address.rpartition(":")
-            host = host.strip("[]") or "0.0.0.0"
+            host, port = split_hostport(self.address)
             family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            self._sock = socket.create_server((host, int(port)), family=family, backlog=BACKLOG)
+            self._sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
             self._sock.setblocking(False)
             log.info("frontend: listening on %s:%d, handing connections to the frontend processes", host,
                      self._sock.getsockname()[1])
@@ -63,13 +62,18 @@ class HttpListener:
 
 
 class _Link:
-    __slots__ = ("name", "sock", "ready", "handed")
+    __slots__ = ("_name", "owner", "sock", "ready", "handed")
 
     def __init__(self, name: str, sock: socket.socket) -> None:
-        self.name = name
+        self._name = name
+        self.owner: Any = None  # the process child at this link's other end (a taken standby is renamed)
         self.sock = sock
         self.ready = False
         self.handed = 0
+
+    @property
+    def name(self) -> str:
+        return self.owner.name if self.owner is not None else self._name
 
 
 class ConnectionDispatcher:
@@ -84,7 +88,6 @@ class ConnectionDispatcher:
         self._links: list[_Link] = []
         self._next = 0
         self._accepting = False
-        self.handed = 0
 
     def pair(self, name: str) -> tuple[_Link, socket.socket]:
         """A new process's link: the root's end is watched from now on; the child's end is returned
@@ -111,6 +114,10 @@ class ConnectionDispatcher:
         elif data.endswith(STOPPED):
             link.ready = False
         self._update()
+
+    def ready(self) -> int:
+        """Processes that take connections now."""
+        return sum(link.ready for link in self._links)
 
     def _drop(self, link: _Link) -> None:
         asyncio.get_running_loop().remove_reader(link.sock.fileno())
@@ -160,7 +167,6 @@ class ConnectionDispatcher:
                 link.ready = False  # gone: its EOF follows
                 continue
             link.handed += 1
-            self.handed += 1
             return
         log.warning("frontend: no frontend process took a connection; it is closed")
 
@@ -183,8 +189,8 @@ def frontend_argv(topology_path: str | Path, index: int | None, supervisors: lis
 
 
 class FrontendProcesses:
-    """The frontend processes of a root: their command, environment and inherited socket, and one
-    warm standby.
+    """The frontend processes of a root: their command, environment and connection hand-over, and
+    one warm standby.
 
     A frontend process spends seconds importing vLLM's request models, tokenizer and parsers (8.5 s
     on this 2-core box, idle) before it serves. So one process is always kept started and imported
@@ -197,23 +203,22 @@ class FrontendProcesses:
         self.t = t
         self.topology_path = topology_path
         self.dispatcher = ConnectionDispatcher(listener)
-        self._links: weakref.WeakKeyDictionary[ProcessChild, _Link] = weakref.WeakKeyDictionary()
         self.supervisors = supervisors
         self.on_status = on_status
         self.env_overrides = json.dumps(worker_overrides(t, overrides))
         self.spare: ProcessChild | None = None
-        self.taken = asyncio.Event()  # a standby was taken (or died): make another
+        self.taken = asyncio.Event()  # the standby was taken: make another
 
     def process(self, name: str, index: int | None) -> ProcessChild:
         from supervisors.process import ProcessChild
         self.dispatcher.listener.socket()  # bound before any process exists: a taken port fails this start
         link, theirs = self.dispatcher.pair(name)
-        env = {OVERRIDES_ENV: self.env_overrides, HTTP_FD_ENV: str(theirs.fileno())}
+        env = {OVERRIDES_ENV: self.env_overrides, HANDOFF_FD_ENV: str(theirs.fileno())}
         child = ProcessChild(name, frontend_argv(self.topology_path, index, self.supervisors), env=env,
                              ready_timeout=READY_TIMEOUT, on_status=self.on_status if index is not None else None,
                              pass_fds=lambda: [theirs.fileno()], on_spawned=theirs.close,
                              go=b"" if index is None else None)  # a standby's stdin: its index, once taken
-        self._links[child] = link
+        link.owner = child
         return child
 
     def take(self, name: str, index: int) -> ProcessChild:
@@ -223,9 +228,6 @@ class FrontendProcesses:
         if spare is None or spare.returncode is not None:
             return self.process(name, index)
         spare.name, spare.go, spare.on_status = name, f"{index}\n".encode(), self.on_status
-        link = self._links.get(spare)
-        if link is not None:
-            link.name = name  # for the dispatcher's log lines
         return spare
 
     def specs(self) -> list[tuple[ChildSpec, str]]:
@@ -248,38 +250,34 @@ class FrontendProcesses:
 
 
 class Standby:
-    """The root child that keeps ``FrontendProcesses.spare`` filled: a new standby is started each
-    time one is taken (checked each second, and at once when a frontend process takes it)."""
+    """The root child that keeps ``FrontendProcesses.spare`` filled: a standby is started once every
+    frontend process serves, so that its imports do not slow theirs on the deployment's start, and
+    again each time one is taken (checked each second, and at once when a process takes it)."""
 
     def __init__(self, pool: FrontendProcesses) -> None:
         self.pool = pool
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
-        await self._fill()
-
-    async def _fill(self) -> None:
-        pool = self.pool
-        pool.taken.clear()
-        if pool.spare is None or pool.spare.returncode is not None:
-            spare = pool.process("frontend-standby", None)
-            await spare.spawn()
-            pool.spare = spare
+        pass  # filled by wait(), once the frontend processes serve
 
     async def wait(self) -> None:
         """Refill when the standby is taken; a standby that dies on its own is a crash of this child
         (its supervisor restarts it with backoff, and counts it)."""
+        pool = self.pool
         while not self._stopped.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.pool.taken.wait(), 1.0)
-            if self._stopped.is_set():
-                return
-            spare = self.pool.spare
+            spare = pool.spare
             if spare is not None and spare.returncode is not None:
-                self.pool.spare = None
+                pool.spare = None
                 await spare.stop(None)  # its notify socket and reader
                 raise RuntimeError(f"the frontend standby (pid {spare.pid}) exited with {spare.returncode}")
-            await self._fill()
+            if spare is None and pool.dispatcher.ready() >= pool.t.frontend.processes:
+                spare = pool.process("frontend-standby", None)
+                await spare.spawn()
+                pool.spare = spare
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(pool.taken.wait(), 1.0)
+            pool.taken.clear()
 
     async def stop(self, timeout: float | None) -> None:
         self._stopped.set()

@@ -10,7 +10,7 @@
     │   ├── planner     (when [planner] enabled names this host: scales pools through the roots)
     │   └── echo        the example actor, when `echo = true` and this host is in echo_hosts
     ├── frontend-<i>    with frontend.processes = N > 1, the frontend instead runs as N OS processes
-    │                   that accept from one socket this process binds (deploy.frontends)
+    │                   served the connections this process accepts (deploy.frontends)
     └── worker-<pool>-<i>   one OS process per worker replica (its own connection and supervisor)
 
 Why ``inproc`` is rest_for_one with the connection first: the in-process actors hold the
@@ -198,7 +198,7 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
         for spec, cmd in FrontendProcesses(t, topology_path, overrides, listener, roots, relay).specs():
             what = ("warm standby frontend process (taken by a frontend process that restarts)"
                     if spec.id == "frontend-standby" else
-                    f"FrontendActor process on the shared socket {fe.http} (router {fe.router})")
+                    f"FrontendActor process serving {fe.http} (router {fe.router})")
             nodes.append(Node(spec, "process", f"{what}: {cmd}"))
     for name, pool in t.pools.items():
         if pool.host in shares:

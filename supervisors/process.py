@@ -80,8 +80,8 @@ class ProcessChild:
         """``normal_exit_codes``: return codes that count as a normal exit, not a crash (0 always
         does), so a transient child is not restarted; a code other than 0 is reported with the
         child's last STATUS line, which says why it ended. ``pass_fds``: descriptors the child
-        inherits (under the same numbers), asked for at each start (a listening socket the
-        parent holds, e.g.). ``go``: the process's stdin is a pipe, and ``start`` writes what ``go`` holds
+        inherits (under the same numbers), asked for at each start (a socket the parent
+        holds, e.g.). ``go``: the process's stdin is a pipe, and ``start`` writes what ``go`` holds
         then (set it before): for a process spawned ahead of time (``spawn``) that waits for it (a
         warm standby). ``on_spawned``: called once the process exists (to close this side's copies
         of what ``pass_fds`` gave it)."""

@@ -26,6 +26,7 @@ from actors.base import Actor, Endpoint
 from actors.instances.watch import BucketWatch, watch_instances, watch_models
 from actors.router.service import RouterEndpoints, RouterState
 from bus import codec, rpc
+from bus.addresses import split_hostport
 from bus.context import BusContext
 from bus.tasks import cancel_and_wait
 from config.topology import FrontendConfig, ModelConfig, PoolConfig
@@ -47,11 +48,6 @@ log = logging.getLogger(__name__)
 
 # seconds a frontend process that shares its address waits for its first probes of the workers
 SETTLE_TIMEOUT = 3.0
-
-
-def split_hostport(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    return (host.strip("[]") or "0.0.0.0"), int(port)
 
 
 class FrontendActor(Actor):

@@ -43,7 +43,6 @@ class HandedConnections:
         self.on_lost = on_lost  # the root closed its end (it is gone): this process cannot serve
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pending: set[asyncio.Task[object]] = set()
-        self.received = 0
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -69,7 +68,6 @@ class HandedConnections:
         for fd in fds:
             conn = socket.socket(fileno=fd)
             conn.setblocking(False)
-            self.received += 1
             task = self._loop.create_task(self._connect(conn))
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)

@@ -93,6 +93,21 @@ def tool_dicts(tools: Sequence[BaseModel] | None) -> list[dict[str, Any]] | None
 SHARED: BuiltOnce[tuple[str, str | None], Preprocessor] = BuiltOnce("tokenizer", lambda k: Preprocessor(*k))
 
 
+def tokenizer_key(mc: ModelConfig | None, path: str | None = None,
+                  template: str | None = None) -> tuple[str, str | None] | None:
+    """(tokenizer dir, template file) of a model, or None in text mode (no usable tokenizer here).
+    The topology's model section ``mc`` wins over the card's ``path`` and ``template``, since it names
+    paths on this host (a mocker's card says "mock"; a remote worker's paths are its own)."""
+    if mc is not None:
+        if mc.text_mode:
+            return None  # model.text_mode: the workers tokenize and apply the chat template
+        path = mc.tokenizer or mc.path or path
+        template = mc.chat_template or template
+    if not path or path == "mock":
+        return None
+    return resolve_model_path(path), template
+
+
 class ModelPreprocessors:
     """A model's Preprocessor for its requests: loaded off the loop, once per tokenizer, as soon as
     the model's card appears (``warm``) rather than on its first request."""
@@ -112,19 +127,9 @@ class ModelPreprocessors:
         return resolve_model_path(path)
 
     def _key(self, entry: ModelEntry) -> tuple[str, str | None] | None:
-        """(tokenizer dir, template file): the topology's model section wins over the card, since
-        it names paths on this host (a mocker's card says "mock"; a remote worker's paths are its own)."""
-        card = entry.card
-        path, template = card.tokenizer_path, card.chat_template
         mc = self.model_config
-        if mc is not None and mc.name == entry.name:
-            if mc.text_mode:
-                return None  # model.text_mode: the workers tokenize and apply the chat template
-            path = mc.tokenizer or mc.path or path
-            template = mc.chat_template or template
-        if not path or path == "mock":
-            return None
-        return resolve_model_path(path), template
+        return tokenizer_key(mc if mc is not None and mc.name == entry.name else None, entry.card.tokenizer_path,
+                             entry.card.chat_template)
 
     async def get(self, entry: ModelEntry) -> Preprocessor | None:
         """None: text mode (model.text_mode, or no usable tokenizer here): workers get text and chats."""

@@ -4,7 +4,7 @@
 
 The root supervisor starts N of these (``deploy.frontends``). The root accepts on ``frontend.http``
 and hands each connection to a process over a Unix socket pair, whose end each process inherits
-(its descriptor number in ``VLLM_ACTORS_HTTP_FD``; ``actors.frontend.handoff``). Each process has
+(its descriptor number in ``VLLM_ACTORS_HANDOFF_FD``; ``actors.frontend.handoff``). Each process has
 its own NATS connection and its own supervisor (one child: the FrontendActor, instance
 ``frontend-<host>-<I>``), served as ``ns.supervisor.<host>.frontend-<I>.*``. It tells the root
 READY=1 once it serves HTTP, and exits 1 when its supervisor gives up or its connection is closed
@@ -22,14 +22,19 @@ import signal
 import socket
 import sys
 
-from actors.models.tiny import resolve_model_path
 from bus import event_loop
 from bus.connection import until_closed
 from bus.context import open_context
 from bus.tasks import cancel_and_wait
 from config.loader import load_topology
 from config.topology import Topology
-from config.workers import HTTP_FD_ENV, frontend_child_id, frontend_instance, kv_replicas, overrides_from_env
+from config.workers import (
+    HANDOFF_FD_ENV,
+    frontend_child_id,
+    frontend_instance,
+    kv_replicas,
+    overrides_from_env,
+)
 from supervisors.child import ChildSpec
 from supervisors.sdnotify import Notifier, serve_root
 from supervisors.service import SupervisorService
@@ -85,9 +90,9 @@ async def run_frontend(t: Topology, index: int, sock: socket.socket, supervisors
 
 def inherited_link(env: dict[str, str] | None = None) -> socket.socket:
     """This process's end of the connection hand-over with the root (actors.frontend.handoff)."""
-    raw = (env if env is not None else os.environ).get(HTTP_FD_ENV)
+    raw = (env if env is not None else os.environ).get(HANDOFF_FD_ENV)
     if raw is None or not raw.isdigit():
-        raise ValueError(f"{HTTP_FD_ENV} must name the inherited hand-over socket's descriptor")
+        raise ValueError(f"{HANDOFF_FD_ENV} must name the inherited hand-over socket's descriptor")
     sock = socket.socket(fileno=int(raw))
     if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
         sock.detach()
@@ -132,10 +137,10 @@ def await_index(t: Topology) -> int | None:
     """A standby's wait: what a start would do before it serves is done now (the imports above, the
     tokenizer), then the index is read from stdin. None when stdin closes without one."""
     Notifier().status("standby: imported, waiting to be taken")
-    mc = t.model
-    if mc is not None and not mc.text_mode and (mc.tokenizer or mc.path):
+    key = preprocess.tokenizer_key(t.model)
+    if key is not None:
         try:
-            preprocess.SHARED.get((resolve_model_path(mc.tokenizer or mc.path), mc.chat_template))
+            preprocess.SHARED.get(key)
         except Exception as e:  # noqa: BLE001 - the frontend loads it again when it starts, and says why
             log.warning("standby: tokenizer not preloaded: %s", e)
     line = sys.stdin.readline().strip()

@@ -37,7 +37,6 @@ class SharedRoutingView:
         self._flushing = False
         self._sub: Subscription | None = None
         self._sweeper: asyncio.Task[None] | None = None
-        self.published = 0
         self._own = bus.subjects.router_bookings(instance)
 
     async def start(self) -> None:
@@ -89,7 +88,6 @@ class SharedRoutingView:
             return
         self._batch = BookingBatch(batch.origin, batch.epoch)
         data = ENCODER.encode(batch)
-        self.published += 1
         asyncio.get_running_loop().create_task(self._publish(data))
 
     async def _publish(self, data: bytes) -> None:

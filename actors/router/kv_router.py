@@ -149,6 +149,21 @@ class KvRouter:
         if self.on_booked is not None:
             self.on_booked(request_id, w, n_tokens, decision.overlap_blocks, seqs,
                            session if self.sessions.ttl > 0 else None)
+        # in kv mode, from the first block the events have not shown on w (the rest is known)
+        self._predict(w, seqs if isinstance(self.index, ApproxIndex) else seqs[real.get(w, 0):])
+
+    def book_remote(self, key: str, worker: Worker, n_tokens: int, overlap_blocks: int,
+                    seqs: Sequence[int], session: str | None) -> None:
+        """Another frontend's booking (``actors.router.bookings``): its load on ``worker``, its
+        blocks predicted there until events confirm them, its session bound there."""
+        self.load.add_request(key, worker, n_tokens, overlap_blocks)
+        self._predict(worker, seqs)
+        if session and self.sessions.ttl > 0:
+            self.sessions.bind(session, worker)
+
+    def _predict(self, w: Worker, seqs: Sequence[int]) -> None:
+        """Blocks a request booked on ``w`` will hold: approx mode's index records them; in kv mode they
+        are predicted until events confirm them."""
         if isinstance(self.index, ApproxIndex):
             self.index.record(w, seqs)
             return
@@ -156,27 +171,10 @@ class KvRouter:
         assert preds is not None
         index = self.index
         # Only what the events have not confirmed yet (re-predicting a block refreshes its TTL).
-        todo = [h for h in seqs[real.get(w, 0):] if not index.holds(h, w)]
+        todo = [h for h in seqs if not index.holds(h, w)]
         if todo:
             preds.record(w, todo)
         self.metrics.predicted_blocks.set(preds.predicted())
-
-    def book_remote(self, key: str, worker: Worker, n_tokens: int, overlap_blocks: int,
-                    seqs: Sequence[int], session: str | None) -> None:
-        """Another frontend's booking (``actors.router.bookings``): its load on ``worker``, its
-        blocks predicted there until events confirm them, its session bound there."""
-        self.load.add_request(key, worker, n_tokens, overlap_blocks)
-        if isinstance(self.index, ApproxIndex):
-            self.index.record(worker, list(seqs))
-        else:
-            preds = self.predictions
-            assert preds is not None
-            todo = [h for h in seqs if not self.index.holds(h, worker)]
-            if todo:
-                preds.record(worker, todo)
-                self.metrics.predicted_blocks.set(preds.predicted())
-        if session and self.sessions.ttl > 0:
-            self.sessions.bind(session, worker)
 
     def _with_predictions(self, seqs: list[int], real: dict[Worker, int]) -> dict[Worker, int]:
         """Per worker, the longest prefix of ``seqs`` held per the index or predicted."""
