@@ -24,6 +24,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from bus.connection import flush_in_order
 from bus.errors import ActorError
 from bus.wire import bounded_text, error_headers
 
@@ -108,7 +109,7 @@ class ServiceHandle:
                 self._control.append(await self.nc.subscribe(subj, cb=handler))
         self.started = _now_rfc3339()
         self.accepting = True
-        await self.nc.flush()  # subscriptions are live on the server when start() returns
+        await flush_in_order(self.nc)  # subscriptions are live on the server when start() returns
 
     async def stop_accepting(self, drain_pending: bool = False, keep: frozenset[str] = frozenset()) -> None:
         """Unsubscribe the endpoints except ``keep`` (requests already delivered keep running)."""

@@ -27,6 +27,7 @@ from actors.instances.watch import BucketWatch, watch_instances, watch_models
 from actors.router.service import RouterEndpoints, RouterState
 from bus import codec, rpc
 from bus.addresses import split_hostport
+from bus.connection import flush_in_order
 from bus.context import BusContext
 from bus.tasks import cancel_and_wait
 from config.topology import FrontendConfig, ModelConfig, PoolConfig
@@ -175,7 +176,7 @@ class FrontendActor(Actor):
             self.shared_quarantine = SharedQuarantine(self.bus, self.app.pipeline.deps.quarantine, self.instance)
             await self.shared_quarantine.start()
         self._scrape_sub = await self.bus.nc.subscribe(self.bus.subjects.frontend_scrape(), cb=self._on_scrape)
-        await self.bus.nc.flush()  # registered before this process is handed connections
+        await flush_in_order(self.bus.nc)  # registered before this process is handed connections
         nc, subject, others = self.bus.nc, self.bus.subjects.frontend_scrape(), self.config.processes - 1
 
         async def render() -> bytes:

@@ -17,6 +17,7 @@ from nats.aio.subscription import Subscription
 
 from actors.router.bookings import DECODER, ENCODER, Booked, BookingBatch, RemoteBookings
 from actors.router.kv_router import KvRouter
+from bus.connection import flush_in_order
 from bus.context import BusContext
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class SharedRoutingView:
         """Subscribe to the other frontends' bookings, then publish ours."""
         sj = self.bus.subjects
         self._sub = await self.bus.nc.subscribe(sj.router_bookings_all(), cb=self._on_batch)
-        await self.bus.nc.flush()  # the server has the subscription: what others book from now on arrives
+        await flush_in_order(self.bus.nc)  # the server has the subscription: what others book from now on arrives
         r = self.router
         r.on_booked, r.on_first, r.on_finished = self._booked, self._first, self._finished
         self._sweeper = asyncio.create_task(self._sweep(), name="router-bookings-sweep")

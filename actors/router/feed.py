@@ -51,6 +51,7 @@ from actors.kv.contract import (
 from actors.router.kv_router import KvRouter
 from actors.worker.contract import LoadReport
 from bus import codec
+from bus.connection import flush_in_order
 from bus.context import BusContext
 from bus.errors import ActorError
 from bus.rpc import request
@@ -111,7 +112,7 @@ class KvRouterFeed:
             self._unwatch = self._instances.subscribe(self._on_record, self._on_removed)
         self._subs.append(await nc.subscribe(s.kv_events_all(), cb=self._on_event_msg))
         self._subs.append(await nc.subscribe(s.load_all(), cb=self._on_load_msg))
-        await nc.flush()
+        await flush_in_order(nc)  # live before start() returns: no event published from now on is missed
         self._tasks.append(asyncio.create_task(self._retry_loop(), name="kv-feed-retry"))
         log.info("KV router feed started on %s (%d workers in the registry)", s.kv_events_all(),
                  len(self.records))

@@ -192,7 +192,7 @@ async def test_error_message_is_typed(bus: BusContext) -> None:
 
 RESPONDER = r"""
 import asyncio, sys
-from bus.connection import connect
+from bus.connection import connect, flush_in_order
 from bus.rpc import respond_stream
 
 async def main(url, subject):
@@ -206,7 +206,7 @@ async def main(url, subject):
     async def on_req(msg):
         asyncio.ensure_future(respond_stream(nc, msg, gen(), instance="victim"))
     await nc.subscribe(subject, cb=on_req)
-    await nc.flush()
+    await flush_in_order(nc)  # live before the test's own connection sends a request
     print("ready", flush=True)
     await asyncio.Event().wait()
 

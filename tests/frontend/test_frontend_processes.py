@@ -20,6 +20,7 @@ from actors.frontend.shared_quarantine import SharedQuarantine
 from actors.frontend.shared_view import SharedRoutingView
 from actors.router.cost import RouterConfig
 from actors.router.kv_router import KvRouter
+from bus.connection import flush_in_order
 from bus.context import BusContext, open_context
 from deploy.frontends import ConnectionDispatcher, HttpListener
 
@@ -180,7 +181,7 @@ async def test_gather_asks_every_process_over_the_bus(bus: BusContext, peer: Bus
         await peer.nc.publish(msg.reply, metrics_merge.encode_part("p1", exposition(5, 0.5)))
 
     sub = await peer.nc.subscribe(subject, cb=answer)
-    await peer.nc.flush()
+    await flush_in_order(peer.nc)
     try:
         # returns once both answered (the timeout only bounds a loaded box's wait)
         text = (await metrics_merge.gather(bus.nc, subject, "p0", exposition(2, 0.05), expected=1,
