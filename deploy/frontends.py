@@ -19,7 +19,7 @@ import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from actors.frontend.handoff import CONNECTION, READY, STOPPED
 from bus.addresses import split_hostport
@@ -66,7 +66,7 @@ class _Link:
 
     def __init__(self, name: str, sock: socket.socket) -> None:
         self._name = name
-        self.owner: Any = None  # the process child at this link's other end (a taken standby is renamed)
+        self.owner: ProcessChild | None = None  # the process child at this link's other end (a taken standby is renamed)
         self.sock = sock
         self.ready = False
         self.handed = 0

@@ -149,8 +149,7 @@ class KvRouter:
         if self.on_booked is not None:
             self.on_booked(request_id, w, n_tokens, decision.overlap_blocks, seqs,
                            session if self.sessions.ttl > 0 else None)
-        # in kv mode, from the first block the events have not shown on w (the rest is known)
-        self._predict(w, seqs if isinstance(self.index, ApproxIndex) else seqs[real.get(w, 0):])
+        self._predict(w, seqs, known=real.get(w, 0))
 
     def book_remote(self, key: str, worker: Worker, n_tokens: int, overlap_blocks: int,
                     seqs: Sequence[int], session: str | None) -> None:
@@ -161,9 +160,10 @@ class KvRouter:
         if session and self.sessions.ttl > 0:
             self.sessions.bind(session, worker)
 
-    def _predict(self, w: Worker, seqs: Sequence[int]) -> None:
+    def _predict(self, w: Worker, seqs: Sequence[int], known: int = 0) -> None:
         """Blocks a request booked on ``w`` will hold: approx mode's index records them; in kv mode they
-        are predicted until events confirm them."""
+        are predicted until events confirm them. ``known``: how many leading blocks the index already
+        showed on ``w`` (kv mode skips them)."""
         if isinstance(self.index, ApproxIndex):
             self.index.record(w, seqs)
             return
@@ -171,7 +171,7 @@ class KvRouter:
         assert preds is not None
         index = self.index
         # Only what the events have not confirmed yet (re-predicting a block refreshes its TTL).
-        todo = [h for h in seqs if not index.holds(h, w)]
+        todo = [h for h in seqs[known:] if not index.holds(h, w)]
         if todo:
             preds.record(w, todo)
         self.metrics.predicted_blocks.set(preds.predicted())

@@ -59,8 +59,8 @@ async def test_until_closed_returns_when_the_connection_is_closed(nats_server) -
 
 async def test_a_subscription_is_live_once_flush_in_order_returns(nats_server) -> None:  # type: ignore[no-untyped-def]
     """What another connection publishes right after ``flush_in_order`` reaches the new subscription,
-    every time. (With a plain ``flush()`` 1 round in 20-40 missed it: nats-py's PING overtook the
-    queued SUB. 300 rounds make such a miss all but certain to show.)"""
+    every time. (With a plain ``flush()`` 41-66 rounds of 1,000 missed it, nats-py's PING overtaking
+    the queued SUB; with that rate, 300 rounds without a miss would be chance below 1 in 10^5.)"""
     a = await connect(nats_server.url, "flush-a")
     b = await connect(nats_server.url, "flush-b")
     try:
