@@ -105,7 +105,7 @@ class Registry:
         return await self.kv.put(key, _to_bytes(value))
 
     async def get(self, key: str) -> bytes | None:
-        return await _read(self.js, self.kv, key, direct=True)
+        return await read_live(self.js, self.kv, key, direct=True)
 
     async def keys(self) -> list[str]:
         return sorted(await self.items())
@@ -212,7 +212,7 @@ class Registry:
                 await watcher.stop()
 
 
-async def _read(js: JetStreamContext, kv: KeyValue, key: str, *, direct: bool) -> bytes | None:
+async def read_live(js: JetStreamContext, kv: KeyValue, key: str, *, direct: bool) -> bytes | None:
     """``key``'s live value, or None. The raw message, not ``KeyValue.get()``: that does not
     recognise server limit markers (``Nats-Marker-Reason``) and would return an expired entry as an
     empty value. ``direct``: any replica may answer (fast; a lagging one may be stale)."""
@@ -246,7 +246,7 @@ async def live_entries(js: JetStreamContext, kv: KeyValue) -> dict[str, bytes]:
 
     async def one(key: str) -> bytes | None:
         async with gate:
-            return await _read(js, kv, key, direct=False)
+            return await read_live(js, kv, key, direct=False)
 
     values = await asyncio.gather(*(one(k) for k in keys))
     return {k: v for k, v in zip(keys, values, strict=True) if v is not None}

@@ -149,6 +149,11 @@ class Subjects:
         """Fingerprints of requests of death, shared by every frontend (actors.frontend.quarantine)."""
         return f"{self.ns}-quarantine"
 
+    @property
+    def bucket_responses(self) -> str:
+        """/v1/responses' stored responses, shared by every frontend (actors.frontend.response_store)."""
+        return f"{self.ns}-responses"
+
 
 def inbox_prefix(namespace: str) -> str:
     return f"_INBOX.{check_token(namespace)}"

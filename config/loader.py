@@ -304,6 +304,14 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
             fail("frontend.busy_threshold", f"expected a fraction in (0, 1], got {t.frontend.busy_threshold}")
         check_api_key(t.frontend, fail)
         _check_media(t.frontend.media, fail, positive)
+        r = t.frontend.responses
+        for key in ("ttl", "max_bytes", "max_entry_bytes"):
+            positive(f"frontend.responses.{key}", getattr(r, key))
+        if r.ttl < 1:  # JetStream ages entries in whole seconds
+            fail("frontend.responses.ttl", f"expected at least 1 second, got {r.ttl}")
+        if r.max_entry_bytes > r.max_bytes:
+            fail("frontend.responses.max_entry_bytes", f"expected at most max_bytes ({r.max_bytes}), "
+                 f"got {r.max_entry_bytes}")
 
     for name, pool in t.pools.items():
         _check_pool(name, pool, t, fail, token, port, positive)

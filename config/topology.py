@@ -172,6 +172,19 @@ class MediaConfig(_Strict):
     max_concurrent_fetches: int = 4
 
 
+class ResponsesConfig(_Strict):
+    """/v1/responses' stored responses (``store: true``), in the <ns>-responses KV bucket
+    (actors.frontend.response_store)."""
+
+    # seconds a stored response stays retrievable and continuable (previous_response_id)
+    ttl: float = 86400.0
+    # the bucket's size; once full, new responses are served but not stored (store: false) until
+    # older ones age out
+    max_bytes: int = 256 << 20
+    # one stored response with its conversation; a longer one is served but not stored
+    max_entry_bytes: int = 1 << 20
+
+
 class FrontendConfig(_Strict):
     enabled: bool = True
     http: str = "127.0.0.1:8000"
@@ -230,6 +243,7 @@ class FrontendConfig(_Strict):
     # quarantine and /metrics over the bus (deploy.frontends, actors.frontend.process)
     processes: int = 1
     media: MediaConfig = msgspec.field(default_factory=MediaConfig)
+    responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
 
 
 class HealthConfig(_Strict):

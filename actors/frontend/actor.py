@@ -42,6 +42,7 @@ from .kv_routing import KvPolicy
 from .metrics import FrontendMetrics
 from .observations import Observations
 from .readiness import PoolExpectation, Readiness
+from .response_store import ResponseStore
 from .routing import Router, make_router
 from .shared_quarantine import SharedQuarantine
 
@@ -146,8 +147,11 @@ class FrontendActor(Actor):
         router = make_router(self.config.router, kv_factory=kv)
         self._router = router
         client = WorkerClient(self.bus, self.config.stall_timeout)
+        store = ResponseStore(self.bus.js, self.bus.subjects.bucket_responses, self.config.responses,
+                              self.bus.kv_replicas)
         self.app = FrontendApp(workers=ws, router=router, link=client, config=self.config,
-                               model_config=self.model_config, metrics=self.metrics, health=self.health)
+                               model_config=self.model_config, metrics=self.metrics, health=self.health,
+                               response_store=store)
         if shared:
             self.app.process_name = self.instance
         self._site = GuardedSite(self.app.build(), self.config, self.metrics)

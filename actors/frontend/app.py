@@ -12,18 +12,24 @@ from typing import Any
 
 from aiohttp import web
 
-from bus.errors import ActorError
+from bus.errors import ActorError, BadRequest
 from config import secrets
 from config.topology import FrontendConfig, ModelConfig
 
 from .completion_flow import WorkerLink
 from .discovery import WorkerSet
 from .http_guard import json_error, read_body
+from .messages_api import PATH as MESSAGES_PATH
+from .messages_api import MessagesShape, anthropic_error, is_messages_path
 from .metrics import FrontendMetrics
 from .openai_io import RETRY_AFTER_S, encode_json
 from .pipeline import CompletionPipeline
 from .planning import NotReady, resolve
+from .response_store import ResponseStore
 from .responses import FRONTEND_HEADER, now
+from .responses_api import PATH as RESPONSES_PATH
+from .responses_api import ResponsesShape
+from .responses_api import not_found as responses_not_found
 from .routing import Router
 from .tokenize_api import Tokenization
 
@@ -41,11 +47,18 @@ def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) ->
     return web.Response(body=encode_json(obj), status=status, content_type=_JSON, headers=headers)
 
 
+def _error(request: web.Request, err: ActorError) -> web.Response:
+    """``err`` in the shape of the API the path belongs to (the anthropic client reads Anthropic's)."""
+    return json_error(err, anthropic_error(err) if is_messages_path(request.path) else None)
+
+
 class FrontendApp:
     def __init__(self, *, workers: WorkerSet, router: Router, link: WorkerLink, config: FrontendConfig,
                  health: Callable[..., Awaitable[tuple[bool, dict[str, Any]]]],
-                 model_config: ModelConfig | None = None, metrics: FrontendMetrics | None = None) -> None:
+                 model_config: ModelConfig | None = None, metrics: FrontendMetrics | None = None,
+                 response_store: ResponseStore | None = None) -> None:
         self.workers = workers
+        self.response_store = response_store  # /v1/responses' store: true (None: nothing is stored)
         self._health = health
         self.config = config
         self.metrics = metrics or FrontendMetrics()
@@ -71,6 +84,10 @@ class FrontendApp:
                               middlewares=[self._errors_mw])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post(MESSAGES_PATH, self.messages)
+        app.router.add_post(RESPONSES_PATH, self.responses)
+        app.router.add_get(RESPONSES_PATH + "/{id}", self.get_response)
+        app.router.add_delete(RESPONSES_PATH + "/{id}", self.delete_response)
         app.router.add_get("/v1/models", self.models)
         # ids may hold '/' (HF names such as org/model), sent raw or as %2F (the openai client)
         app.router.add_get("/v1/models/{model:.+}", self.model)
@@ -92,24 +109,26 @@ class FrontendApp:
     async def _errors_mw(self, request: web.Request, handler: Any) -> web.StreamResponse:
         try:
             if self._api_key is not None and request.path.startswith(self._protected):
-                auth = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(auth.removeprefix("Bearer ").encode(), self._api_key):
+                # Bearer (OpenAI's clients) or x-api-key (Anthropic's)
+                auth = request.headers.get("Authorization", "").removeprefix("Bearer ")
+                key = auth or request.headers.get("x-api-key", "")
+                if not hmac.compare_digest(key.encode(), self._api_key):
                     raise Unauthorized("invalid or missing API key")
             return await handler(request)
         except ActorError as e:
-            return json_error(e)
+            return _error(request, e)
         except web.HTTPException as e:
             if e.status < 400:
                 raise
             err = ActorError(e.reason or "error", e.status)
             err.kind = "not_found_error" if e.status == 404 else "invalid_request_error"
-            resp = json_error(err)
+            resp = _error(request, err)
             if "Allow" in e.headers:  # a 405 must say which methods the route has (RFC 9110)
                 resp.headers["Allow"] = e.headers["Allow"]
             return resp
         except Exception as e:
             log.exception("internal error on %s", request.path)
-            return json_error(ActorError(f"internal error: {type(e).__name__}: {e}"))
+            return _error(request, ActorError(f"internal error: {type(e).__name__}: {e}"))
 
     # --- info routes --------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
@@ -166,6 +185,28 @@ class FrontendApp:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self.pipeline.serve(request, chat=False)
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self.pipeline.serve(request, chat=True, shape=MessagesShape())
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self.pipeline.serve(request, chat=True, shape=ResponsesShape(self.response_store))
+
+    async def get_response(self, request: web.Request) -> web.Response:
+        """A stored response (``store: true``), from any frontend process, until its TTL."""
+        rid = request.match_info["id"]
+        if request.query.get("stream", "false").lower() not in ("false", "0"):
+            raise BadRequest("stream is not supported: responses are not run in the background", param="stream")
+        stored = await self.response_store.get(rid) if self.response_store is not None else None
+        if stored is None:
+            raise responses_not_found(rid)
+        return _json(stored.response)
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        rid = request.match_info["id"]
+        if self.response_store is None or not await self.response_store.delete(rid):
+            raise responses_not_found(rid)
+        return _json({"id": rid, "object": "response", "deleted": True})
 
     # --- tokenizer ----------------------------------------------------------------------------------
     async def tokenize(self, request: web.Request) -> web.Response:

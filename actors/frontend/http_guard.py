@@ -94,9 +94,11 @@ def raw_response(err: ActorError) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
 
 
-def json_error(err: ActorError) -> web.Response:
-    """An OpenAI-shaped error response (what every error of the HTTP surface is answered with)."""
-    return web.Response(body=error_body(err), status=err.code, content_type=_JSON, headers=_error_headers(err))
+def json_error(err: ActorError, body: bytes | None = None) -> web.Response:
+    """An error response: OpenAI's shape (what the HTTP surface answers with), or ``body``, the
+    error in another API's shape (Anthropic's on /v1/messages)."""
+    return web.Response(body=error_body(err) if body is None else body, status=err.code, content_type=_JSON,
+                        headers=_error_headers(err))
 
 
 async def read_body(request: web.BaseRequest, timeout: float, limit: int, metrics: FrontendMetrics) -> bytes:

@@ -40,7 +40,7 @@ class OutputOptions:
     echo: bool = False
 
 
-def _bad_from(e: Exception) -> BadRequest:
+def as_bad_request(e: Exception) -> BadRequest:
     if isinstance(e, pydantic.ValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
@@ -83,7 +83,7 @@ def validate_json(model: type[pydantic.BaseModel], body: bytes) -> Any:
     try:
         return model.model_validate_json(body)
     except (pydantic.ValidationError, ValueError, VLLMValidationError) as e:
-        raise _bad_from(e) from None
+        raise as_bad_request(e) from None
     except (TypeError, AttributeError):
         err = _early_read_error(body)
         if err is None:
@@ -92,7 +92,11 @@ def validate_json(model: type[pydantic.BaseModel], body: bytes) -> Any:
 
 
 def parse_chat(body: bytes) -> ChatCompletionRequest:
-    req: ChatCompletionRequest = validate_json(ChatCompletionRequest, body)
+    return check_chat(validate_json(ChatCompletionRequest, body))
+
+
+def check_chat(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """What a chat request must hold beyond vLLM's model (also one another API was translated to)."""
     if not req.messages:
         raise BadRequest("messages must not be empty")
     if req.use_beam_search:
@@ -135,7 +139,7 @@ def to_sampling(req: ChatCompletionRequest | CompletionRequest, max_tokens: int,
     try:
         sp = req.to_sampling_params(max_tokens, {})
     except (ValueError, TypeError, VLLMValidationError) as e:
-        raise _bad_from(e) from None
+        raise as_bad_request(e) from None
     so = sp.structured_outputs
     structured = None
     if so is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -21,6 +22,7 @@ from aiohttp import web
 from bus.errors import ActorError, Overloaded
 from config.topology import FrontendConfig, ModelConfig
 
+from .api_shape import ApiShape
 from .choices import Arrival, Choice, build_choices, merged
 from .completion_flow import FlowDeps, WorkerLink
 from .discovery import WorkerSet
@@ -69,15 +71,23 @@ class CompletionPipeline:
             self._http = media_session()
         return self._http
 
-    async def serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def serve(self, request: web.Request, chat: bool, shape: ApiShape | None = None) -> web.StreamResponse:
+        """One request of /v1/chat/completions (``chat``), /v1/completions, or of another API that
+        ``shape`` translates to a chat completion and back (/v1/responses, /v1/messages)."""
         t0 = time.perf_counter()
         m = self.metrics
-        endpoint = "chat" if chat else "completions"
+        endpoint = shape.endpoint if shape is not None else "chat" if chat else "completions"
         body = await read_body(request, self.config.body_timeout, self.config.max_body_bytes, m)
         series: ModelSeries | None = None  # the model's series, once the request names one that exists
         status = 500
         try:
-            req = parse_chat(body) if chat else parse_completion(body)
+            if shape is not None:
+                # the chat request the shape made is already validated; the raw body is the other
+                # API's, which planning must not read as a chat's
+                req = await shape.chat_request(body)
+                body = b""
+            else:
+                req = parse_chat(body) if chat else parse_completion(body)
             if chat:
                 check_request_template(req.chat_template, self.config.trust_request_chat_template)
             entry, lora, name = resolve(self.workers, req.model, self.expected)
@@ -102,7 +112,8 @@ class CompletionPipeline:
             out = ResponseBuilder(plan, choices)
             series.inflight.inc()
             try:
-                resp = await (self._stream(request, out, t0) if plan.stream else self._complete(out, t0))
+                resp = await (self._stream(request, out, t0, shape) if plan.stream
+                              else self._complete(out, t0, shape))
             finally:
                 series.inflight.dec()
             status = resp.status
@@ -177,47 +188,89 @@ class CompletionPipeline:
             on_quarantine=series.quarantined.inc,
             migration_wait=mc.migration_wait if mc is not None else 60.0)
 
-    async def _stream(self, request: web.Request, out: ResponseBuilder, t0: float) -> web.StreamResponse:
-        series = self.metrics.model(out.plan.entry.name)
+    async def _frames(self, out: ResponseBuilder, first: Arrival | None, arrivals: AsyncIterator[Arrival],
+                      t_first: float) -> AsyncIterator[tuple[list[bytes], bool]]:
+        """The response's chat SSE frames from its first arrival on, in batches of the frames ready
+        at one moment (the role frame with the first token, the last token with the closing frames),
+        each with whether it is the last. A failure after the first arrival is raised from here."""
+        itl = self.metrics.model(out.plan.entry.name).itl
+        pending: list[bytes] = list(out.sse_start())
+        item: Arrival | None = first
+        last = t_first
+        while item is not None:
+            c, chunk = item
+            delta = out.feed(c, chunk)
+            if delta is not None:
+                frame = out.sse_piece(c, chunk, delta)
+                if frame is not None:
+                    pending.append(frame)
+                t = time.perf_counter()
+                if item is not first and chunk.token_ids:
+                    itl.observe((t - last) / len(chunk.token_ids))
+                last = t
+            if pending and not all(ch.finish_reason is not None for ch in out.choices):
+                # a choice still runs: what is ready goes now, never waiting for more
+                yield pending, False
+                pending = []
+            item = await anext(arrivals, None)
+        pending.extend(out.sse_end())
+        yield pending, True
+
+    async def _stream(self, request: web.Request, out: ResponseBuilder, t0: float,
+                      shape: ApiShape | None) -> web.StreamResponse:
         async with merged(out.choices) as arrivals:
             first = await anext(arrivals, None)  # errors before any output get a real HTTP status
             t_first = time.perf_counter()
-            series.ttft.observe(t_first - t0)
-            itl = series.itl
+            self.metrics.model(out.plan.entry.name).ttft.observe(t_first - t0)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                **out.headers()})
-            # SSE frames ready at the same moment leave in one write (one syscall, one chunk): the
-            # role frame with the first token, the last token with the closing frames and [DONE]
-            pending: list[bytes] = list(out.sse_start())
+            await resp.prepare(request)
+            batches = self._frames(out, first, arrivals, t_first)
+            if shape is not None:
+                return await self._shaped(resp, out, batches, shape)
+            # SSE frames ready at the same moment leave in one write (one syscall, one chunk); the
+            # last batch goes with [DONE] in the final write
+            tail: list[bytes] = []
             try:
-                await resp.prepare(request)
-                item: Arrival | None = first
-                last = t_first
-                while item is not None:
-                    c, chunk = item
-                    delta = out.feed(c, chunk)
-                    if delta is not None:
-                        frame = out.sse_piece(c, chunk, delta)
-                        if frame is not None:
-                            pending.append(frame)
-                        t = time.perf_counter()
-                        if item is not first and chunk.token_ids:
-                            itl.observe((t - last) / len(chunk.token_ids))
-                        last = t
-                    if pending and not all(ch.finish_reason is not None for ch in out.choices):
-                        # a choice still runs: what is ready goes now, never waiting for more
-                        await resp.write(pending[0] if len(pending) == 1 else b"".join(pending))
-                        pending.clear()
-                    item = await anext(arrivals, None)
-                pending.extend(out.sse_end())
+                async for batch, final in batches:
+                    if final:
+                        tail = batch
+                    else:
+                        await resp.write(batch[0] if len(batch) == 1 else b"".join(batch))
             except ActorError as e:
                 log.warning("stream %s failed after headers: %s", out.plan.request_id, e)
-                pending.append(out.sse_error(e))
-        pending.append(SSE_DONE)
-        await resp.write_eof(b"".join(pending))
+                tail.append(out.sse_error(e))
+        tail.append(SSE_DONE)
+        await resp.write_eof(b"".join(tail))
         return resp
 
-    async def _complete(self, out: ResponseBuilder, t0: float) -> web.Response:
+    async def _shaped(self, resp: web.StreamResponse, out: ResponseBuilder,
+                      batches: AsyncIterator[tuple[list[bytes], bool]], shape: ApiShape) -> web.StreamResponse:
+        """Another API's stream over the chat frames: ``shape.events`` reads them one by one (as
+        ``data: ...`` strings, ending with [DONE] when the response completed) and writes its own
+        events. A failure ends the frames without [DONE]; the shape then says it in its own error
+        event, typed as the failure was (vLLM's converters would call it an internal error)."""
+        failure: list[ActorError] = []
+
+        async def frames() -> AsyncIterator[str]:
+            try:
+                async for batch, _ in batches:
+                    for frame in batch:
+                        yield frame.decode()
+            except ActorError as e:
+                log.warning("stream %s failed after headers: %s", out.plan.request_id, e)
+                failure.append(e)
+                return
+            yield SSE_DONE.decode()
+
+        async for event in shape.events(out.plan, frames()):
+            await resp.write(event)
+        if failure:
+            await resp.write(shape.error_event(failure[0]))
+        await resp.write_eof()
+        return resp
+
+    async def _complete(self, out: ResponseBuilder, t0: float, shape: ApiShape | None) -> web.Response:
         async with merged(out.choices) as arrivals:
             first = True
             async for c, chunk in arrivals:
@@ -225,4 +278,5 @@ class CompletionPipeline:
                     first = False
                     self.metrics.model(out.plan.entry.name).ttft.observe(time.perf_counter() - t0)
                 out.feed(c, chunk)
-        return web.Response(body=encode_json(out.body()), content_type="application/json", headers=out.headers())
+        body = out.body() if shape is None else await shape.body(out.plan, out.body())
+        return web.Response(body=encode_json(body), content_type="application/json", headers=out.headers())
