@@ -54,7 +54,9 @@ def as_bad_request(e: Exception) -> BadRequest:
 
 # Fields vLLM's "before" model validators read before pydantic has checked their types: each one
 # iterates or .get()s its field, so another type is a TypeError/AttributeError out of pydantic.
-_READ_EARLY: dict[str, tuple[type, ...]] = {"messages": (list,), "structured_outputs": (dict, type(None))}
+_READ_EARLY: dict[str, tuple[type, ...]] = {"messages": (list,), "structured_outputs": (dict, type(None)),
+                                           # /v1/responses: read by its tool_choice validator
+                                           "tools": (list, type(None))}
 _TYPE_WORDS = {list: "a valid list", dict: "a valid dictionary"}
 
 

@@ -118,6 +118,10 @@ class ResponsesShape:
 
     async def chat_request(self, body: bytes) -> ChatCompletionRequest:
         req: ResponsesRequest = validate_json(ResponsesRequest, body)
+        # null is the default for these two (the response object has no null for them)
+        req.background = bool(req.background)
+        if req.store is None:
+            req.store = True
         self._refuse_unsupported(req)
         prev: Stored | None = None
         if req.previous_response_id is not None:

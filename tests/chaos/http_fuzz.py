@@ -1,10 +1,12 @@
-"""HTTP fuzzing of the OpenAI surface: hypothesis-drawn bodies for /v1/completions and
-/v1/chat/completions sent to a running deployment, judged only on what a client may rely on.
+"""HTTP fuzzing of the generation surface: hypothesis-drawn bodies for /v1/completions,
+/v1/chat/completions, /v1/responses and /v1/messages sent to a running deployment, judged only on
+what a client may rely on.
 
-Every response must be a 2xx or a 4xx, and every error an OpenAI-shaped JSON body
-(``{"error": {"message": str, "type": str, "param": ..., "code": ...}}``, Content-Type
-application/json). A 5xx, a malformed error body, a dropped connection or a streamed error event
-with a 5xx code is a failure.
+Every response must be a 2xx or a 4xx, and every error a JSON body in its API's shape (OpenAI's
+``{"error": {"message": str, "type": str, "param": ..., "code": ...}}``; on /v1/messages Anthropic's
+``{"type": "error", "error": {"type": str, "message": str}}``), Content-Type application/json. A
+5xx, a malformed error body, a dropped connection, a streamed error event with a 5xx code, or a
+stream that does not end as its API ends one is a failure.
 
 ``run_http_fuzz`` is a plain function (no pytest fixture) so a bench script can call it against any
 deployment and write its figures. Cases are drawn with hypothesis from a seed, so one seed always
@@ -32,6 +34,9 @@ from hypothesis import strategies as st
 
 CHAT = "/v1/chat/completions"
 COMPL = "/v1/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+PATHS = (CHAT, COMPL, RESPONSES, MESSAGES)
 JSON = "application/json"
 
 
@@ -110,6 +115,23 @@ def explicit_cases(model: str) -> list[Case]:
     for v in (5, None, 1.5, True):
         cases.append(Case(f"issue:messages-{v}", CHAT,
                           json.dumps({"model": model, "messages": v}).encode(), expect=400))
+        cases.append(Case(f"issue:input-{v}", RESPONSES, json.dumps({"model": model, "input": v}).encode(),
+                          expect=400))
+        cases.append(Case(f"issue:anthropic-messages-{v}", MESSAGES,
+                          json.dumps({"model": model, "max_tokens": 4, "messages": v}).encode(), expect=400))
+    cases += [
+        Case("issue:anthropic-no-max_tokens", MESSAGES, json.dumps({"model": model, "messages": msg}).encode(),
+             expect=400),
+        Case("issue:anthropic-no-messages", MESSAGES, json.dumps({"model": model, "max_tokens": 4,
+                                                                  "messages": []}).encode(), expect=400),
+        # found by the fuzz: null where the response object has no null; tools read before their type check
+        Case("issue:background-null", RESPONSES, json.dumps({"model": model, "input": "hi", "max_output_tokens": 4,
+                                                             "background": None, "store": None}).encode(), expect=200),
+        Case("issue:tools-int", RESPONSES, json.dumps({"model": model, "input": "hi", "tool_choice": "auto",
+                                                       "tools": -138}).encode(), expect=400),
+        Case("issue:previous-wildcard", RESPONSES, json.dumps({"model": model, "input": "hi",
+                                                               "previous_response_id": ">"}).encode(), expect=404),
+    ]
     return cases
 
 
@@ -159,6 +181,54 @@ COMMON: dict[str, st.SearchStrategy[Any]] = {
         optional={"json_schema": junk}),
     "structured_outputs": junk, "vllm_xargs": junk, "kv_transfer_params": junk, "cache_salt": strings,
 }
+def _block() -> st.SearchStrategy[Any]:
+    """An Anthropic content block, near-valid or junk."""
+    kind = st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking", "document", "nope"]) | junk
+    return st.fixed_dictionaries({"type": kind}, optional={
+        "text": strings | junk, "id": strings, "name": strings, "input": junk, "tool_use_id": strings,
+        "content": strings | junk, "source": st.fixed_dictionaries(
+            {"type": st.sampled_from(["base64", "url"]) | junk},
+            optional={"media_type": strings, "data": strings, "url": strings})}) | junk
+
+
+def _item() -> st.SearchStrategy[Any]:
+    """A Responses input item, near-valid or junk."""
+    kind = st.sampled_from(["message", "function_call", "function_call_output", "reasoning", "nope"]) | junk
+    return st.fixed_dictionaries({"type": kind}, optional={
+        "role": st.sampled_from(["user", "assistant", "system", "developer"]) | junk,
+        "content": strings | st.lists(st.fixed_dictionaries(
+            {"type": st.sampled_from(["input_text", "output_text", "input_image"]) | junk},
+            optional={"text": strings | junk, "image_url": strings}), max_size=2) | junk,
+        "call_id": strings, "name": strings, "arguments": strings | junk, "output": strings | junk,
+        "status": st.sampled_from(["completed", "in_progress", "incomplete"]) | junk}) | junk
+
+
+SAMPLING: dict[str, st.SearchStrategy[Any]] = {
+    "temperature": floats | ints | strings, "top_p": floats | ints, "top_k": ints, "stream": st.booleans(),
+    "metadata": junk,
+}
+RESPONSES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    **SAMPLING, "input": strings | st.lists(_item(), max_size=3), "instructions": strings | junk,
+    "max_output_tokens": ints, "previous_response_id": strings, "store": st.booleans() | junk,
+    "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(["function", "web_search", "mcp"]) | junk},
+                                            optional={"name": strings, "parameters": junk}), max_size=2) | junk,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | junk, "text": junk, "reasoning": junk,
+    "include": junk, "background": st.booleans(), "request_id": strings, "parallel_tool_calls": junk,
+    "top_logprobs": ints, "truncation": strings, "prompt": junk,
+}
+MESSAGES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    **SAMPLING, "max_tokens": ints,
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | junk},
+                                               optional={"content": strings | st.lists(_block(), max_size=3)}),
+                         max_size=3) | junk,
+    "system": strings | st.lists(_block(), max_size=2) | junk, "stop_sequences": stops,
+    "tools": st.lists(st.fixed_dictionaries({"name": strings}, optional={"input_schema": junk,
+                                                                        "description": strings}),
+                      max_size=2) | junk,
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"]) | junk},
+                                         optional={"name": strings}) | junk,
+    "thinking": junk, "output_config": junk,
+}
 COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     **COMMON, "logprobs": ints | st.booleans(), "suffix": strings,
     "prompt": strings | token_ids | st.lists(token_ids, max_size=3) | st.lists(strings, max_size=3),
@@ -183,26 +253,37 @@ def _dumps(obj: Any, ascii_only: bool) -> bytes:
     return json.dumps(obj, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
 
 
+def good_body(path: str, model: str) -> dict[str, Any]:
+    """A valid, cheap request for ``path``: its text field is "hi"."""
+    if path == COMPL:
+        return {"model": model, "prompt": "hi", "max_tokens": 4}
+    if path == RESPONSES:
+        return {"model": model, "input": "hi", "max_output_tokens": 4}
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}  # chat, messages
+
+
+_FIELDS = {CHAT: CHAT_FIELDS, COMPL: COMPLETION_FIELDS, RESPONSES: RESPONSES_FIELDS, MESSAGES: MESSAGES_FIELDS}
+_LABELS = {CHAT: "chat", COMPL: "completion", RESPONSES: "responses", MESSAGES: "messages"}
+
+
 @st.composite
 def json_case(draw: st.DrawFn, model: str) -> Case:
-    chat = draw(st.booleans())
-    base: dict[str, Any] = ({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-                            if chat else {"model": model, "prompt": "hello", "max_tokens": 4})
+    path = draw(st.sampled_from(PATHS))
+    base = good_body(path, model)
     for key in draw(st.sets(st.sampled_from(sorted(base)), max_size=2)):
         del base[key]  # a missing required field now and then
-    base.update(draw(_fields(CHAT_FIELDS if chat else COMPLETION_FIELDS)))
+    base.update(draw(_fields(_FIELDS[path])))
     base.update(draw(st.dictionaries(st.text(max_size=10), junk, max_size=2)))  # unknown extra fields
     # one body in twenty is not even an object (hypothesis favours index 0: keep the object there)
     top: Any = base if draw(st.sampled_from(["object"] * 19 + ["junk"])) == "object" else draw(junk)
-    label = ("chat" if chat else "completion") + ("" if top is base else "-junk")
-    return Case(label, CHAT if chat else COMPL, _dumps(top, draw(st.booleans())))
+    label = _LABELS[path] + ("" if top is base else "-junk")
+    return Case(label, path, _dumps(top, draw(st.booleans())))
 
 
 @st.composite
 def raw_case(draw: st.DrawFn, model: str) -> Case:
-    path = draw(st.sampled_from([CHAT, COMPL]))
-    good = _dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-                  if path == CHAT else {"model": model, "prompt": "hello", "max_tokens": 4}, True)
+    path = draw(st.sampled_from(PATHS))
+    good = _dumps(good_body(path, model), True)
     kind = draw(st.sampled_from(["truncated", "bytes", "utf8", "nested", "content-type", "literal", "huge"]))
     if kind == "truncated":
         return Case(kind, path, good[:draw(st.integers(0, len(good) - 1))])
@@ -210,7 +291,7 @@ def raw_case(draw: st.DrawFn, model: str) -> Case:
         return Case(kind, path, draw(st.binary(max_size=64)))
     if kind == "utf8":  # invalid UTF-8 inside a string value
         bad = draw(st.sampled_from([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80", b"\xc0\xaf"]))
-        return Case(kind, path, good.replace(b"hi" if path == CHAT else b"hello", bad, 1))
+        return Case(kind, path, good.replace(b'"hi"', b'"' + bad + b'"', 1))
     if kind == "nested":
         depth = draw(st.sampled_from([64, 127, 128, 199, 200, 201, 255, 256, 1000, 10_000]))
         where = draw(st.sampled_from(["messages", "prompt", "extra", "logit_bias", "chat_template_kwargs",
@@ -223,9 +304,10 @@ def raw_case(draw: st.DrawFn, model: str) -> Case:
     if kind == "huge":  # a 1 MiB prompt or message, or a body beyond the 8 MiB default limit (413)
         size = draw(st.sampled_from([1 << 20, 9 << 20]))
         text = "word " * (size // 5)
-        body = ({"model": model, "messages": [{"role": "user", "content": text}]} if path == CHAT
-                else {"model": model, "prompt": text})
-        return Case(kind, path, _dumps(body, True))
+        body = good_body(path, model)
+        body.pop("max_tokens" if path != MESSAGES else "", None)
+        body.pop("max_output_tokens", None)
+        return Case(kind, path, _dumps(body, True).replace(b'"hi"', json.dumps(text).encode(), 1))
     if kind == "content-type":
         ctype = draw(st.sampled_from([None, "text/plain", "application/x-www-form-urlencoded",
                                       "multipart/form-data; boundary=x", "application/json; charset=latin-1",
@@ -306,6 +388,67 @@ def openai_error_shape(body: Any) -> bool:
             and "param" in err and "code" in err)
 
 
+def anthropic_error_shape(body: Any) -> bool:
+    err = body.get("error") if isinstance(body, dict) else None
+    return (isinstance(body, dict) and body.get("type") == "error" and isinstance(err, dict)
+            and isinstance(err.get("type"), str) and isinstance(err.get("message"), str))
+
+
+def _sse_events(body: bytes) -> list[tuple[str | None, bytes]]:
+    """(event name, data) of each SSE event of a stream."""
+    out = []
+    for block in body.split(b"\n\n"):
+        name, data = None, b""
+        for line in block.split(b"\n"):
+            if line.startswith(b"event: "):
+                name = line[7:].decode(errors="replace")
+            elif line.startswith(b"data: "):
+                data = line[6:]
+        if data:
+            out.append((name, data))
+    return out
+
+
+def _judge_stream(o: Outcome) -> str | None:
+    path = o.case.path
+    if path in (CHAT, COMPL):
+        for line in o.body.split(b"\n"):
+            if line.startswith(b"data: {\"error\""):
+                try:
+                    err = json.loads(line[6:]).get("error", {})
+                except ValueError:
+                    return f"stream error event is not JSON: {line[:200]!r}"
+                if not isinstance(err.get("code"), int) or err["code"] >= 500 or not openai_error_shape(
+                        {"error": err}):
+                    return f"stream error event {line[:200]!r}"
+        return None if o.body.rstrip().endswith(b"data: [DONE]") else "stream without [DONE]"
+    # /v1/responses and /v1/messages: named events; a fuzzed request is refused before its stream
+    # begins or served whole, so an error event is a failure here
+    events = _sse_events(o.body)
+    for name, data in events:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return f"stream event is not JSON: {data[:200]!r}"
+        if name == "error" or not isinstance(event, dict) or event.get("type") != name:
+            return f"stream event {name!r}: {data[:200]!r}"
+    last = events[-1][0] if events else None
+    want = "response.completed" if path == RESPONSES else "message_stop"
+    return None if last == want else f"stream ends with {last!r}, not {want}"
+
+
+def _judge_body(o: Outcome, body: Any) -> str | None:
+    if not isinstance(body, dict):
+        return "200 body is not an object"
+    if o.case.path == RESPONSES:
+        return None if body.get("object") == "response" and isinstance(body.get("output"), list) else \
+            "200 without a response's output"
+    if o.case.path == MESSAGES:
+        return None if body.get("type") == "message" and isinstance(body.get("content"), list) else \
+            "200 without a message's content"
+    return None if isinstance(body.get("choices"), list) else "200 without choices"
+
+
 def judge(o: Outcome) -> str | None:
     """Why this outcome is a failure, or None."""
     if o.status == 0:
@@ -321,23 +464,16 @@ def judge(o: Outcome) -> str | None:
             body = json.loads(o.body)
         except ValueError:
             return "error body is not JSON"
+        if o.case.path == MESSAGES:
+            return None if anthropic_error_shape(body) else "error body is not Anthropic-shaped"
         return None if openai_error_shape(body) else "error body is not OpenAI-shaped"
     if o.content_type.startswith("text/event-stream"):
-        for line in o.body.split(b"\n"):
-            if line.startswith(b"data: {\"error\""):
-                try:
-                    err = json.loads(line[6:]).get("error", {})
-                except ValueError:
-                    return f"stream error event is not JSON: {line[:200]!r}"
-                if not isinstance(err.get("code"), int) or err["code"] >= 500 or not openai_error_shape(
-                        {"error": err}):
-                    return f"stream error event {line[:200]!r}"
-        return None if o.body.rstrip().endswith(b"data: [DONE]") else "stream without [DONE]"
+        return _judge_stream(o)
     try:
         body = json.loads(o.body)
     except ValueError:
         return "200 body is not JSON"
-    return None if isinstance(body, dict) and isinstance(body.get("choices"), list) else "200 without choices"
+    return _judge_body(o, body)
 
 
 def run_http_fuzz(base_url: str, model: str, cases: int | Sequence[Case] = 2000, seed: int = 0, *,

@@ -1,5 +1,6 @@
-"""A mocker deployment booted with the CLI takes 2,000+ fuzzed requests (tests/chaos/http_fuzz.py)
-and the issue's requests of death: no 5xx, every error OpenAI-shaped, and afterwards the same worker
+"""A mocker deployment booted with the CLI takes 2,800+ fuzzed requests over chat, completions,
+responses and messages (tests/chaos/http_fuzz.py) and the issue's requests of death: no 5xx, every
+error in its API's shape, and afterwards the same worker
 still serves a normal request (no restart, no new instance).
 
 Memory: every worker-bound integer is checked against the model's limits before anything is built
@@ -23,7 +24,7 @@ from tests.e2e.conftest import Deployment, boot, chat_body, post, shutdown
 pytestmark = [pytest.mark.slow]
 
 MODEL = "tiny"
-CASES = 2000
+CASES = 2800  # 700 per API, as many as chat and completions had when they were the only two
 SEED = 20261124
 # cheap valid requests: a short context bounds what "max_tokens absent" (= the context left) costs,
 # and zero compute means no simulated step time
@@ -45,7 +46,7 @@ def fuzz_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Deplo
         shutdown(d)
 
 
-def test_fuzzed_requests_are_2xx_or_openai_4xx_and_the_worker_survives(fuzz_setup: tuple) -> None:
+def test_fuzzed_requests_are_2xx_or_api_shaped_4xx_and_the_worker_survives(fuzz_setup: tuple) -> None:
     d, cases = fuzz_setup
     before = sorted(d.instances())
     log_at = d.log.stat().st_size

@@ -1,19 +1,21 @@
 """Tool calling and reasoning through a deployment started as users start it:
 ``python -m actors.supervisor topologies/mocker-tools.toml``, driven with the official ``openai``
-client. The mocker answers the topology's scripted text in the tiny model's tokens, one token per
+client (chat completions, responses) and ``anthropic`` client (messages). The mocker answers the topology's scripted text in the tiny model's tokens, one token per
 step, so the frontend's vLLM parsers (hermes tool calls, qwen3 reasoning) see real streamed deltas.
 """
 
 from __future__ import annotations
 
 import json
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
-from tests.e2e.conftest import WORKER_HEADER, Deployment, boot, shutdown
+from tests.e2e.conftest import WORKER_HEADER, Deployment, boot, http_json, post, shutdown
 from tests.e2e.test_mocker_deployments import kill_serving_worker
 from tests.helpers import openai_client
 
@@ -163,6 +165,130 @@ def test_tool_result_round_trip(dep: Deployment) -> None:
     assert r.choices[0].message.content.startswith("It is sunny in Paris")
     assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
     assert "reasoning_content" not in r.choices[0].message.model_extra  # the empty think block is dropped
+
+
+# --- the same through /v1/responses (openai client) and /v1/messages (anthropic client) ---------------
+RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]
+ANTHROPIC_TOOLS = [{"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
+                   for f in (TOOLS[0]["function"],)]
+
+
+def anthropic_client(d: Deployment) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=d.url, api_key="none", max_retries=0, timeout=30)
+
+
+def test_responses_plain_streamed_and_stored(dep: Deployment) -> None:
+    c = client(dep)
+    r = c.responses.create(model="tiny", input="Please think about it", instructions="Answer briefly.")
+    assert r.status == "completed" and r.output_text == "The answer."
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "some reasoning"
+    assert r.usage.output_tokens > 0 and r.usage.input_tokens > 0
+    assert r.model_extra["store"] is True
+
+    with c.responses.stream(model="tiny", input="Please think about it") as s:
+        events = [e.type for e in s]
+        final = s.get_final_response()
+    assert events[:2] == ["response.created", "response.in_progress"] and events[-1] == "response.completed"
+    assert "response.reasoning_text.delta" in events and "response.output_text.delta" in events
+    assert events.index("response.reasoning_text.delta") < events.index("response.output_text.delta")
+    assert final.output_text == "The answer." and final.status == "completed"
+    # what was streamed is what is stored, under the id the stream announced
+    stored = c.responses.retrieve(final.id)
+    assert stored.output_text == "The answer." and [o.id for o in stored.output] == [o.id for o in final.output]
+    c.responses.delete(final.id)
+    with pytest.raises(NotFoundError, match=f"Response with id '{final.id}' not found"):
+        c.responses.retrieve(final.id)
+    # store: false keeps nothing
+    r = c.responses.create(model="tiny", input="hello", store=False)
+    assert r.model_extra["store"] is False
+    with pytest.raises(NotFoundError):
+        c.responses.retrieve(r.id)
+
+
+def test_responses_function_calls_and_the_follow_up(dep: Deployment) -> None:
+    c = client(dep)
+    forced = c.responses.create(model="tiny", input="Tell me about Paris", tools=RESPONSES_TOOLS,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    (call,) = forced.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id
+    assert isinstance(json.loads(call.arguments), dict)  # a forced call is constrained to the schema
+
+    with c.responses.stream(model="tiny", input="What is the weather in Paris?", tools=RESPONSES_TOOLS) as s:
+        events = [e.type for e in s]
+        auto = s.get_final_response()
+    assert "response.function_call_arguments.delta" in events and "response.function_call_arguments.done" in events
+    (call,) = auto.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_weather", {"city": "Paris"})
+
+    # the tool's result goes back as a follow-up of the stored response: its conversation is continued
+    answer = c.responses.create(model="tiny", previous_response_id=auto.id, tools=RESPONSES_TOOLS,
+                                input=[{"type": "function_call_output", "call_id": call.call_id,
+                                        "output": json.dumps({"sky": "sunny"})}])
+    assert answer.output_text.startswith("It is sunny in Paris") and answer.previous_response_id == auto.id
+    alone = c.responses.create(model="tiny", tools=RESPONSES_TOOLS,
+                               input=[{"type": "function_call_output", "call_id": call.call_id, "output": "x"}])
+    assert answer.usage.input_tokens > alone.usage.input_tokens  # the first turn is in the prompt
+
+
+def test_messages_plain_streamed_and_tool_use(dep: Deployment) -> None:
+    a = anthropic_client(dep)
+    r = a.messages.create(model="tiny", max_tokens=64, system="Answer briefly.",
+                          messages=[{"role": "user", "content": [{"type": "text", "text": "Please think about it"}]}])
+    assert [b.type for b in r.content] == ["thinking", "text"]
+    assert r.content[0].thinking == "some reasoning" and r.content[1].text == "The answer."
+    assert r.stop_reason == "end_turn" and r.usage.output_tokens > 0 and r.usage.input_tokens > 0
+
+    with a.messages.stream(model="tiny", max_tokens=64, messages=[{"role": "user", "content": "hello"}]) as s:
+        events = [e.type for e in s]
+        final = s.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert "content_block_delta" in events and "message_delta" in events
+    plain = client(dep).chat.completions.create(model="tiny", messages=ask("hello"), max_tokens=64)
+    assert final.content[0].text == plain.choices[0].message.content and final.stop_reason == "end_turn"
+
+    ask_weather = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = a.messages.create(model="tiny", max_tokens=128, tools=ANTHROPIC_TOOLS, messages=ask_weather)
+    (use,) = r.content
+    assert (use.type, use.name, use.input) == ("tool_use", "get_weather", {"city": "Paris"})
+    assert r.stop_reason == "tool_use" and use.id
+
+    with a.messages.stream(model="tiny", max_tokens=128, tools=ANTHROPIC_TOOLS, messages=ask_weather,
+                           tool_choice={"type": "tool", "name": "get_weather"}) as s:
+        streamed = s.get_final_message()
+    (forced,) = streamed.content
+    assert forced.type == "tool_use" and forced.name == "get_weather" and isinstance(forced.input, dict)
+
+    # the tool_result block goes back; the model answers in text
+    r = a.messages.create(model="tiny", max_tokens=128, tools=ANTHROPIC_TOOLS, messages=[
+        *ask_weather, {"role": "assistant", "content": [use.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}])
+    assert r.content[0].text.startswith("It is sunny in Paris") and r.stop_reason == "end_turn"
+
+
+def test_bad_input_gets_each_apis_error_shape(dep: Deployment) -> None:
+    bad_messages = {"model": "tiny", "max_tokens": "many", "messages": [{"role": "user", "content": "hi"}]}
+    code, _, text = post(f"{dep.url}/v1/messages", bad_messages)
+    body = json.loads(text)
+    assert code == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error", text
+    assert "max_tokens" in body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError, match="does not exist"):
+        anthropic_client(dep).messages.create(model="nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.BadRequestError):
+        anthropic_client(dep).messages.create(model="tiny", max_tokens=4, messages=[])
+
+    c = client(dep)
+    with pytest.raises(BadRequestError, match="input"):
+        c.responses.create(model="tiny", input=5)  # type: ignore[arg-type]
+    with pytest.raises(NotFoundError, match="Response with id 'resp_nope' not found"):
+        c.responses.create(model="tiny", input="x", previous_response_id="resp_nope")
+    with pytest.raises(BadRequestError, match="not supported"):
+        c.responses.create(model="tiny", input="x", tools=[{"type": "web_search"}])  # type: ignore[list-item]
+    with pytest.raises(BadRequestError, match="background"):
+        c.responses.create(model="tiny", input="x", background=True)
+    for rid in ("*", "a.b", ">"):  # never a KV wildcard or another subject
+        code, err = http_json(f"{dep.url}/v1/responses/{urllib.parse.quote(rid)}")
+        assert code == 404 and err["error"]["type"] == "not_found_error", (rid, err)
 
 
 
