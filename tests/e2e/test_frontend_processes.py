@@ -11,6 +11,7 @@ import random
 import re
 import signal
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -266,3 +267,52 @@ def test_sigkill_of_a_frontend_process_under_32_streams(two: Deployment) -> None
         if cid != "frontend-0" and cid != "frontend-standby":
             assert after[cid]["restarts"] == before[cid]["restarts"], (cid, before[cid], after[cid])
     assert two.proc is not None and two.proc.poll() is None
+
+
+def _respond(d: Deployment, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """One /v1/responses request over a new connection: the process that served it, the response."""
+    code, headers, text = post(f"{d.url}/v1/responses", {"model": d.model, "max_output_tokens": 4, **body})
+    assert code == 200, (code, text)
+    return {k.lower(): v for k, v in headers.items()}[FRONTEND_HEADER], json.loads(text)
+
+
+def test_a_stored_response_outlives_every_frontend_process(two: Deployment) -> None:
+    """A response stored by one process is read and continued by both after both were SIGKILLed and
+    restarted: the conversation is in the bus's KV bucket, not in a process."""
+    _, first = _respond(two, {"input": "tell me a long story about the sea"})
+    assert first["store"] is True
+    before = {c["id"]: c for c in asyncio.run(sc.root_children(two.bus_url, two.namespace))}
+    for cid in ("frontend-0", "frontend-1"):
+        os.kill(before[cid]["pid"], signal.SIGKILL)
+
+    def restarted() -> bool:
+        now = {c["id"]: c for c in asyncio.run(sc.root_children(two.bus_url, two.namespace))}
+        return all(now[c]["restarts"] > before[c]["restarts"] for c in ("frontend-0", "frontend-1")) and \
+            bool(re.search(r"^frontend_scrape_missing 0\.0$", http_text(f"{two.url}/metrics"), re.M))
+
+    two.wait_until(restarted, 60, "both frontend processes restarted and serving")
+    read_by = set()
+    for _ in range(4):  # new connections alternate between the two processes
+        code, headers, text = get_new(f"{two.url}/v1/responses/{first['id']}")
+        assert code == 200 and json.loads(text)["output"] == first["output"], text
+        read_by.add(headers[FRONTEND_HEADER])
+    assert read_by == set(PROCESSES)
+    followed = {}
+    for _ in range(2):  # a follow-up from each process
+        process, follow = _respond(two, {"input": "and then?", "previous_response_id": first["id"]})
+        followed[process] = follow
+    _, alone = _respond(two, {"input": "and then?"})
+    assert set(followed) == set(PROCESSES)
+    for follow in followed.values():
+        assert follow["previous_response_id"] == first["id"]
+        # the first turn (its input and output) is in the follow-up's prompt
+        assert follow["usage"]["input_tokens"] > alone["usage"]["input_tokens"] + first["usage"]["input_tokens"] // 2
+
+
+def get_new(url: str) -> tuple[int, dict[str, str], str]:
+    """A GET over a new connection: status, headers (lower-case), body."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read().decode()

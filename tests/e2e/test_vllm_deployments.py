@@ -14,6 +14,7 @@ import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
 import pytest
 from openai import OpenAI
 
@@ -83,6 +84,27 @@ class TestVllmAgg:
         assert first.usage.prompt_tokens > 200
         cached = second.usage.prompt_tokens_details.cached_tokens
         assert cached is not None and cached > 0 and cached % 32 == 0, second.usage
+
+    def test_one_greedy_answer_through_chat_responses_and_messages(self, vllm_agg: Deployment) -> None:
+        """The three APIs are one chat completion underneath: at temperature 0 the vLLM engine's text
+        is the same through each, plain and streamed."""
+        c = client(vllm_agg)
+        chat = c.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=16, temperature=0)
+        text = chat.choices[0].message.content
+        assert chat.usage.completion_tokens > 1 and text, chat  # not an answer that is all end-of-sequence
+        r = c.responses.create(model="tiny", input=PROMPT[0]["content"], max_output_tokens=16, temperature=0)
+        assert r.output_text == text and r.usage.input_tokens == chat.usage.prompt_tokens
+        with c.responses.stream(model="tiny", input=PROMPT[0]["content"], max_output_tokens=16, temperature=0) as s:
+            assert "".join(e.delta for e in s if e.type == "response.output_text.delta") == text
+        a = anthropic.Anthropic(base_url=vllm_agg.url, api_key="none", max_retries=0, timeout=120)
+        # this anthropic client has no temperature argument any more; the API still takes the field
+        greedy = {"extra_body": {"temperature": 0}}
+        m = a.messages.create(model="tiny", max_tokens=16, messages=PROMPT, **greedy)
+        # Anthropic counts prompt tokens read from the cache apart from input_tokens
+        assert [b.text for b in m.content] == [text]
+        assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
+        with a.messages.stream(model="tiny", max_tokens=16, messages=PROMPT, **greedy) as ms:
+            assert "".join(ms.text_stream) == text
 
     def test_worker_metrics_include_vllms_own(self, vllm_agg: Deployment) -> None:
         """The worker's status port exports our worker series and vLLM's own, side by side."""
