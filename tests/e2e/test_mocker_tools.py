@@ -332,3 +332,25 @@ async def test_tool_calls_survive_a_worker_kill(slow: Deployment) -> None:
     assert [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)] == \
         [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "London"})]
     assert "migrating" in slow.output(200_000)
+
+
+async def test_a_messages_stream_survives_a_worker_kill(slow: Deployment) -> None:
+    """/v1/messages rides the chat pipeline's migration: its serving worker is SIGKILLed after the
+    first tool_use block began, and the anthropic client still reads both blocks whole."""
+    # the serving worker is named by the response's header (after the next restart it is another)
+    before = set(slow.instances("agg"))
+    a = anthropic.AsyncAnthropic(base_url=slow.url, api_key="none", max_retries=0, timeout=60)
+    killed = False
+    async with a.messages.stream(model="tiny", max_tokens=256, tools=ANTHROPIC_TOOLS,
+                                 messages=[{"role": "user", "content": "Compare the two cities Paris and London"}]
+                                 ) as s:
+        serving = s.response.headers[WORKER_HEADER]
+        async for event in s:
+            if event.type == "content_block_delta" and not killed:
+                await kill_serving_worker(slow, serving)
+                killed = True
+        final = await s.get_final_message()
+    assert killed and serving in before
+    assert [(b.type, b.name, b.input) for b in final.content] == \
+        [("tool_use", "get_weather", {"city": "Paris"}), ("tool_use", "get_weather", {"city": "London"})]
+    assert final.stop_reason == "tool_use"
