@@ -7,6 +7,7 @@ step, so the frontend's vLLM parsers (hermes tool calls, qwen3 reasoning) see re
 from __future__ import annotations
 
 import json
+import re
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -15,7 +16,7 @@ import anthropic
 import pytest
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from tests.e2e.conftest import WORKER_HEADER, Deployment, boot, http_json, post, shutdown
+from tests.e2e.conftest import WORKER_HEADER, Deployment, boot, http_json, http_text, post, shutdown
 from tests.e2e.test_mocker_deployments import kill_serving_worker
 from tests.helpers import openai_client
 
@@ -264,6 +265,25 @@ def test_messages_plain_streamed_and_tool_use(dep: Deployment) -> None:
         *ask_weather, {"role": "assistant", "content": [use.model_dump()]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}])
     assert r.content[0].text.startswith("It is sunny in Paris") and r.stop_reason == "end_turn"
+
+
+def _requests_by_endpoint(d: Deployment) -> dict[tuple[str, str], float]:
+    out: dict[tuple[str, str], float] = {}
+    for m in re.finditer(r'^frontend_requests_total\{([^}]*)\} (\S+)$', http_text(f"{d.url}/metrics"), re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        key = (labels["endpoint"], labels["status"])
+        out[key] = out.get(key, 0.0) + float(m.group(2))
+    return out
+
+
+def test_each_api_is_counted_under_its_endpoint(dep: Deployment) -> None:
+    before = _requests_by_endpoint(dep)
+    client(dep).responses.create(model="tiny", input="hello", store=False)
+    anthropic_client(dep).messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    post(f"{dep.url}/v1/messages", {"model": "tiny", "messages": []})
+    after = _requests_by_endpoint(dep)
+    grew = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    assert grew == {("responses", "200"): 1.0, ("messages", "200"): 1.0, ("messages", "400"): 1.0}, grew
 
 
 def test_bad_input_gets_each_apis_error_shape(dep: Deployment) -> None:

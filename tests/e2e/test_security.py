@@ -165,6 +165,15 @@ def test_per_role_users_of_the_shipped_secure_topology(tmp_path: Path, started: 
     auth = {"Authorization": f"Bearer {api_key}"}
     code, _, text = post(d.url + "/v1/chat/completions", chat_body(MODEL), headers=auth)
     assert code == 200, text
+    # /v1/responses (its store is a KV bucket the frontend's user creates) and /v1/messages, whose
+    # clients send the key as x-api-key and read Anthropic's error shape
+    code, _, text = post(d.url + "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4}, headers=auth)
+    assert code == 200 and json.loads(text)["store"] is True, text
+    msg = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    code, _, text = post(d.url + "/v1/messages", msg, headers={"x-api-key": api_key})
+    assert code == 200, text
+    code, _, text = post(d.url + "/v1/messages", msg, headers={"x-api-key": "wrong"})
+    assert code == 401 and json.loads(text)["error"]["type"] == "authentication_error", text
 
     async def as_user(user: str) -> Any:
         return await nats.connect(d.bus_url, user=user, password=pw[user], max_reconnect_attempts=1,
