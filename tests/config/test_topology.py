@@ -183,3 +183,15 @@ def test_worker_auth_with_server_config_and_secrets_by_file(tmp_path: Path) -> N
         f"bus.server_config={users}", "bus.auth.user=sup", f"bus.auth.password_file={pw}",
         "bus.worker_auth.user=wk", f"bus.worker_auth.password_file={pw}"])
     assert t.bus.auth.kind() == "user" and t.bus.worker_auth is not None and t.bus.worker_auth.user == "wk"
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["frontend.responses.ttl=0.5"], "frontend.responses.ttl: expected at least 1 second, got 0.5"),
+    (["frontend.responses.max_bytes=0"], "frontend.responses.max_bytes: expected a number > 0, got 0"),
+    (["frontend.responses.max_bytes=1000", "frontend.responses.max_entry_bytes=2000"],
+     "frontend.responses.max_entry_bytes: expected at most max_bytes (1000), got 2000"),
+])
+def test_the_response_store_limits_are_checked_at_load(sets: list[str], message: str) -> None:
+    with pytest.raises(TopologyError, match=re.escape(message)):
+        load_topology(ROOT / "topologies" / "mocker-agg.toml", sets)
+    assert load_topology(ROOT / "topologies" / "mocker-agg.toml", []).frontend.responses.ttl == 86400.0
