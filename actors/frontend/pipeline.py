@@ -212,7 +212,12 @@ class CompletionPipeline:
                 # a choice still runs: what is ready goes now, never waiting for more
                 yield pending, False
                 pending = []
-            item = await anext(arrivals, None)
+            try:
+                item = await anext(arrivals, None)
+            except ActorError:
+                if pending:  # held back while every choice had finished: it still goes before the failure
+                    yield pending, False
+                raise
         pending.extend(out.sse_end())
         yield pending, True
 

@@ -214,6 +214,9 @@ def test_responses_function_calls_and_the_follow_up(dep: Deployment) -> None:
     (call,) = forced.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id
     assert isinstance(json.loads(call.arguments), dict)  # a forced call is constrained to the schema
+    required = c.responses.create(model="tiny", input="Tell me about Paris", tools=RESPONSES_TOOLS,
+                                  tool_choice="required")
+    assert [o.type for o in required.output] == ["function_call"] and required.output[0].name == "get_weather"
 
     with c.responses.stream(model="tiny", input="What is the weather in Paris?", tools=RESPONSES_TOOLS) as s:
         events = [e.type for e in s]
@@ -247,6 +250,12 @@ def test_messages_plain_streamed_and_tool_use(dep: Deployment) -> None:
     assert "content_block_delta" in events and "message_delta" in events
     plain = client(dep).chat.completions.create(model="tiny", messages=ask("hello"), max_tokens=64)
     assert final.content[0].text == plain.choices[0].message.content and final.stop_reason == "end_turn"
+
+    # a stop sequence ends the text before it, and the message says which one
+    stopped = a.messages.create(model="tiny", max_tokens=64, stop_sequences=["help", "never"],
+                                messages=[{"role": "user", "content": "hello"}])
+    assert final.content[0].text.startswith(stopped.content[0].text + "help")
+    assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", "help")
 
     ask_weather = [{"role": "user", "content": "What is the weather in Paris?"}]
     r = a.messages.create(model="tiny", max_tokens=128, tools=ANTHROPIC_TOOLS, messages=ask_weather)
