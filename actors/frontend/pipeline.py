@@ -258,9 +258,15 @@ class CompletionPipeline:
         failure: list[ActorError] = []
 
         async def frames() -> AsyncIterator[str]:
+            first = True
             try:
                 async for batch, _ in batches:
                     for frame in batch:
+                        if first:
+                            # the first frame carries the prompt's usage, as vllm serve's continuous
+                            # usage does: Anthropic's message_start reports its input tokens
+                            first = False
+                            frame = frame[:-3] + b',"usage":' + encode_json(out.usage()) + b"}\n\n"
                         yield frame.decode()
             except ActorError as e:
                 log.warning("stream %s failed after headers: %s", out.plan.request_id, e)

@@ -143,7 +143,8 @@ class ResponseBuilder:
             c.finish_reason = c.flow.state.finish_reason or "stop"
         return c.text.flush()
 
-    def _usage(self) -> dict[str, Any]:
+    def usage(self) -> dict[str, Any]:
+        """The usage so far (the prompt's is known once each choice's first chunk arrived)."""
         prompt = cached = completion = 0
         for c in self.choices:
             st = c.flow.state
@@ -210,7 +211,7 @@ class ResponseBuilder:
                 out.append(self._framer.choices([{"index": c.index, **body, "logprobs": None,
                                                   "finish_reason": finish}]))
         if self.plan.include_usage:
-            out.append(self._framer.usage(self._usage()))
+            out.append(self._framer.usage(self.usage()))
         return out
 
     def sse_error(self, err: ActorError) -> bytes:
@@ -240,4 +241,4 @@ class ResponseBuilder:
                 out.append({"index": c.index, "text": text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": plan.request_id, "object": "chat.completion" if plan.chat else "text_completion",
-                "created": now(), "model": plan.model, "choices": out, "usage": self._usage()}
+                "created": now(), "model": plan.model, "choices": out, "usage": self.usage()}

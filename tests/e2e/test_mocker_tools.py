@@ -244,9 +244,11 @@ def test_messages_plain_streamed_and_tool_use(dep: Deployment) -> None:
     assert r.stop_reason == "end_turn" and r.usage.output_tokens > 0 and r.usage.input_tokens > 0
 
     with a.messages.stream(model="tiny", max_tokens=64, messages=[{"role": "user", "content": "hello"}]) as s:
-        events = [e.type for e in s]
+        seen = list(s)
         final = s.get_final_message()
+    events = [e.type for e in seen]
     assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert seen[0].message.usage.input_tokens == final.usage.input_tokens > 0  # known from the start
     assert "content_block_delta" in events and "message_delta" in events
     plain = client(dep).chat.completions.create(model="tiny", messages=ask("hello"), max_tokens=64)
     assert final.content[0].text == plain.choices[0].message.content and final.stop_reason == "end_turn"
