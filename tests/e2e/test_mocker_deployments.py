@@ -57,6 +57,22 @@ def pin(d: Deployment) -> dict[str, str]:
     return {WORKER_HEADER: sorted(d.instances())[0]}
 
 
+async def cancelled_on(d: Deployment, inst: str, before: float) -> None:
+    """The worker counted one more cancellation, and its engine stopped generating: nothing
+    running, nothing in flight."""
+    d.wait_until(lambda: cancellations(d, "agg", 2) > before, 10, "worker counted the cancellation")
+    nc = await nats.connect(d.bus_url)
+    try:
+        for _ in range(100):
+            h = await nats_req(nc, f"{d.namespace}.worker.{inst}.health", {})
+            if h["num_running"] == 0 and h["in_flight"] == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert h["num_running"] == 0 and h["in_flight"] == 0, h
+    finally:
+        await nc.close()
+
+
 async def start_stream(c: AsyncOpenAI, max_tokens: int) -> tuple[str, Any]:
     raw = await c.chat.completions.with_raw_response.create(
         model="tiny", messages=PROMPT, max_tokens=max_tokens, stream=True,
@@ -225,18 +241,21 @@ class TestMockerAgg:
             if got >= 5:
                 break
         await stream.close()  # the client goes away mid-stream
-        agg.wait_until(lambda: cancellations(agg, "agg", 2) > before, 10, "worker counted the cancellation")
+        await cancelled_on(agg, inst, before)
 
-        nc = await nats.connect(agg.bus_url)
-        try:
-            for _ in range(100):  # the engine stopped generating: nothing running, nothing in flight
-                h = await nats_req(nc, f"{agg.namespace}.worker.{inst}.health", {})
-                if h["num_running"] == 0 and h["in_flight"] == 0:
-                    break
-                await asyncio.sleep(0.1)
-            assert h["num_running"] == 0 and h["in_flight"] == 0, h
-        finally:
-            await nc.close()
+    async def test_a_responses_client_that_leaves_aborts_the_engine_request(self, agg: Deployment) -> None:
+        """/v1/responses streams ride the chat pipeline's cancellation: the engine stops too."""
+        before = cancellations(agg, "agg", 2)
+        raw = await aclient(agg).responses.with_raw_response.create(
+            model="tiny", input=PROMPT[0]["content"], max_output_tokens=2000, stream=True, extra_body=NO_EOS)
+        inst, stream = raw.headers[WORKER_HEADER], raw.parse()
+        got = 0
+        async for event in stream:
+            got += event.type == "response.output_text.delta"
+            if got >= 5:
+                break
+        await stream.close()
+        await cancelled_on(agg, inst, before)
 
     async def test_sigkill_of_serving_worker_mid_stream_is_migrated(self, agg: Deployment) -> None:
         inst, stream = await start_stream(aclient(agg), LONG)
