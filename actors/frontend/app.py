@@ -20,7 +20,7 @@ from .completion_flow import WorkerLink
 from .discovery import WorkerSet
 from .http_guard import json_error, read_body
 from .messages_api import PATH as MESSAGES_PATH
-from .messages_api import MessagesShape, anthropic_error, is_messages_path
+from .messages_api import MessagesShape, anthropic_error, count_request, is_messages_path
 from .metrics import FrontendMetrics
 from .openai_io import RETRY_AFTER_S, encode_json
 from .pipeline import CompletionPipeline
@@ -85,6 +85,7 @@ class FrontendApp:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post(MESSAGES_PATH, self.messages)
+        app.router.add_post(MESSAGES_PATH + "/count_tokens", self.count_tokens)
         app.router.add_post(RESPONSES_PATH, self.responses)
         app.router.add_get(RESPONSES_PATH + "/{id}", self.get_response)
         app.router.add_delete(RESPONSES_PATH + "/{id}", self.delete_response)
@@ -188,6 +189,11 @@ class FrontendApp:
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self.pipeline.serve(request, chat=True, shape=MessagesShape())
+
+    async def count_tokens(self, request: web.Request) -> web.Response:
+        """Anthropic's messages.count_tokens: the prompt tokens the same /v1/messages body would send."""
+        n = await self.tokenization.count_chat(count_request(await self._body(request)))
+        return _json({"input_tokens": n})
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self.pipeline.serve(request, chat=True, shape=ResponsesShape(self.response_store))

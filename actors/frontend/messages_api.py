@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+from vllm.entrypoints.anthropic.protocol import AnthropicCountTokensRequest, AnthropicMessagesRequest
 from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
 from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
 
@@ -43,13 +43,21 @@ def anthropic_error(err: ActorError) -> bytes:
     return encode_json({"type": "error", "error": {"type": kind, "message": err.message}})
 
 
+def count_request(body: bytes) -> ChatCompletionRequest:
+    """A /v1/messages/count_tokens body as the chat request whose prompt it counts."""
+    req: AnthropicCountTokensRequest = validate_json(AnthropicCountTokensRequest, body)
+    if not req.messages:
+        raise BadRequest("messages: at least one message is required", param="messages")
+    try:
+        return check_chat(_CONVERTER.to_chat_completion_request(req))
+    except ValueError as e:
+        raise as_bad_request(e) from None
+
+
 class MessagesShape:
     """One /v1/messages request (actors.frontend.api_shape.ApiShape)."""
 
     endpoint = ENDPOINT
-
-    def __init__(self) -> None:
-        self.request: AnthropicMessagesRequest | None = None
 
     async def chat_request(self, body: bytes) -> ChatCompletionRequest:
         req: AnthropicMessagesRequest = validate_json(AnthropicMessagesRequest, body)
@@ -59,7 +67,6 @@ class MessagesShape:
             chat = _CONVERTER.to_chat_completion_request(req)
         except ValueError as e:  # a tool change naming an undeclared tool; a field the chat refuses
             raise as_bad_request(e) from None
-        self.request = req
         return check_chat(chat)
 
     async def body(self, plan: Plan, chat: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 from vllm.entrypoints.serve.tokenize.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -74,6 +75,16 @@ class Tokenization:
         strs = pre.hf.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=entry.card.context_length, tokens=ids,
                                 token_strs=strs).model_dump()
+
+    async def count_chat(self, req: ChatCompletionRequest) -> int:
+        """The prompt tokens of a chat request, rendered as planning renders it (images count as
+        their placeholder tokens: they are expanded only when the request is planned)."""
+        check_request_template(req.chat_template, self.trust_request_chat_template)
+        _entry, pre = await self._model(req.model)
+        text = pre.render_chat(list(req.messages), add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                               template_kwargs=req.chat_template_kwargs, tools=tool_dicts(req.tools))
+        return len(pre.encode(text, req.add_special_tokens))
 
     async def detokenize(self, body: bytes) -> dict[str, Any]:
         req: DetokenizeRequest = validate_json(DetokenizeRequest, body)

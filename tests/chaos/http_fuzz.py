@@ -129,6 +129,10 @@ def explicit_cases(model: str) -> list[Case]:
                                                              "background": None, "store": None}).encode(), expect=200),
         Case("issue:tools-int", RESPONSES, json.dumps({"model": model, "input": "hi", "tool_choice": "auto",
                                                        "tools": -138}).encode(), expect=400),
+        Case("issue:count-no-messages", MESSAGES + "/count_tokens",
+             json.dumps({"model": model, "messages": []}).encode(), expect=400),
+        Case("issue:count-messages-int", MESSAGES + "/count_tokens",
+             json.dumps({"model": model, "messages": 5}).encode(), expect=400),
         Case("issue:previous-wildcard", RESPONSES, json.dumps({"model": model, "input": "hi",
                                                                "previous_response_id": ">"}).encode(), expect=404),
     ]
@@ -464,7 +468,7 @@ def judge(o: Outcome) -> str | None:
             body = json.loads(o.body)
         except ValueError:
             return "error body is not JSON"
-        if o.case.path == MESSAGES:
+        if o.case.path.startswith(MESSAGES):  # count_tokens too
             return None if anthropic_error_shape(body) else "error body is not Anthropic-shaped"
         return None if openai_error_shape(body) else "error body is not OpenAI-shaped"
     if o.content_type.startswith("text/event-stream"):

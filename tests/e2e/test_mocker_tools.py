@@ -242,6 +242,13 @@ def test_messages_plain_streamed_and_tool_use(dep: Deployment) -> None:
     assert [b.type for b in r.content] == ["thinking", "text"]
     assert r.content[0].thinking == "some reasoning" and r.content[1].text == "The answer."
     assert r.stop_reason == "end_turn" and r.usage.output_tokens > 0 and r.usage.input_tokens > 0
+    # count_tokens counts what the same body sends, tools included
+    counted = a.messages.count_tokens(model="tiny", system="Answer briefly.", messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Please think about it"}]}])
+    assert counted.input_tokens == r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0)
+    with_tools = a.messages.count_tokens(model="tiny", tools=ANTHROPIC_TOOLS, messages=[
+        {"role": "user", "content": "Please think about it"}])
+    assert with_tools.input_tokens > counted.input_tokens
 
     with a.messages.stream(model="tiny", max_tokens=64, messages=[{"role": "user", "content": "hello"}]) as s:
         seen = list(s)
