@@ -94,6 +94,17 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
                                                    "strict": getattr(fmt, "strict", None)}}
 
 
+def _nulls_as_defaults(req: ResponsesRequest) -> None:
+    """A field sent as null takes its default: the response object copies several of them
+    (background, truncation, store, ...) and has no null for them, and null means "unset" to
+    OpenAI's API. Found by the HTTP fuzz, one field at a time, until this covered them all."""
+    for name, info in ResponsesRequest.model_fields.items():
+        if getattr(req, name, None) is None and not info.is_required():
+            default = info.get_default(call_default_factory=True)
+            if default is not None:
+                setattr(req, name, default)
+
+
 def _plain(obj: Any) -> Any:
     """Chat messages as JSON values (vLLM's message builders may leave pydantic objects in them)."""
     return _json.decode(pydantic_core.to_json(obj))
@@ -118,10 +129,7 @@ class ResponsesShape:
 
     async def chat_request(self, body: bytes) -> ChatCompletionRequest:
         req: ResponsesRequest = validate_json(ResponsesRequest, body)
-        # null is the default for these two (the response object has no null for them)
-        req.background = bool(req.background)
-        if req.store is None:
-            req.store = True
+        _nulls_as_defaults(req)
         self._refuse_unsupported(req)
         prev: Stored | None = None
         if req.previous_response_id is not None:

@@ -126,7 +126,8 @@ def explicit_cases(model: str) -> list[Case]:
                                                                   "messages": []}).encode(), expect=400),
         # found by the fuzz: null where the response object has no null; tools read before their type check
         Case("issue:background-null", RESPONSES, json.dumps({"model": model, "input": "hi", "max_output_tokens": 4,
-                                                             "background": None, "store": None}).encode(), expect=200),
+                                                             "background": None, "store": None, "truncation": None,
+                                                             "parallel_tool_calls": None}).encode(), expect=200),
         Case("issue:tools-int", RESPONSES, json.dumps({"model": model, "input": "hi", "tool_choice": "auto",
                                                        "tools": -138}).encode(), expect=400),
         Case("issue:count-no-messages", MESSAGES + "/count_tokens",
