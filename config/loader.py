@@ -326,6 +326,14 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         fail(f"pools.{first}.engine", "prefill and decode pools must use the same engine (KV cannot cross engines)")
     if "encode" in roles:
         _check_encode(t, fail)
+    if "embed" in roles and roles != {"embed"}:
+        # one model per topology: a pooling engine serves /v1/embeddings and generates nothing, so
+        # the model's card says it embeds; generating pools beside it would serve another model
+        # under the same name
+        first = next(n for n, p in t.pools.items() if p.role == "embed")
+        fail(f"pools.{_join([first])}.role", "an embed pool serves the model as an embedding model: the "
+             "topology's other pools must be embed pools too (agg, prefill, decode and encode pools "
+             "serve a generative model; run it as another deployment)")
 
     if t.planner.enabled:
         _check_planner(t, fail, token, positive)
@@ -457,6 +465,9 @@ def _check_pool(name: str, pool: PoolConfig, t: Topology, fail: Any, token: Any,
         fail(f"{key}.max_waiting", f"expected int >= 1, got {pool.max_waiting}")
     if pool.prompt_embeds and pool.engine == "mocker":
         fail(f"{key}.prompt_embeds", "the mocker engine has no embedding layer; use engine = \"vllm\"")
+    if pool.role == "embed" and pool.prompt_embeds:
+        fail(f"{key}.prompt_embeds", "an embed pool takes token and text inputs (/v1/embeddings); prompt "
+             "embeddings go to agg or prefill workers")
     if pool.role == "encode":
         if pool.engine != "vllm":
             fail(f"{key}.engine", "an encode pool runs vLLM's vision encoder, which the mocker does not "

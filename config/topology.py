@@ -277,8 +277,9 @@ class CheckpointConfig(_Strict):
 
 class PoolConfig(_Strict):
     # encode (E/P/D): vLLM's vision encoder alone; the frontend sends each image prompt's images to
-    # an encode worker first and hands its outputs to the agg or prefill worker with the request
-    role: Literal["agg", "prefill", "decode", "encode"] = "agg"
+    # an encode worker first and hands its outputs to the agg or prefill worker with the request.
+    # embed: vLLM's pooling runner (/v1/embeddings); the model then embeds and generates nothing
+    role: Literal["agg", "prefill", "decode", "encode", "embed"] = "agg"
     engine: Literal["vllm", "mocker"] = "vllm"
     replicas: int = 1
     host: str = "local"

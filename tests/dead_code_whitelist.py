@@ -37,3 +37,7 @@ _._reasoning_parser
 
 # transformers' save_pretrained writes it into the tiny VLM's config.json (actors/models/tiny_vlm.py)
 _.architectures
+
+# vLLM's pooling checks read them off the ModelConfig stand-in the frontend builds from a model card
+# (actors/frontend/embeddings.py: PoolingParams.verify, EmbeddingCompletionRequest.build_tok_params).
+_.pooler_config, _.encoder_config

@@ -16,11 +16,12 @@ import msgspec
 
 from bus.errors import BadRequest
 
-# encode: the vision encoder only (E/P/D); its outputs feed an agg or prefill worker's engine
-Role = Literal["agg", "prefill", "decode", "encode"]
+# encode: the vision encoder only (E/P/D); its outputs feed an agg or prefill worker's engine.
+# embed: a pooling engine (vLLM's pooling runner): one embedding per prompt, no generation
+Role = Literal["agg", "prefill", "decode", "encode", "embed"]
 # roles whose engines publish no KV events: a decode worker's blocks are never routed to, an
-# encode-only engine has no KV cache
-NO_KV_EVENT_ROLES = frozenset({"decode", "encode"})
+# encode-only engine has no KV cache, embedding requests are routed by load (a prompt is one step)
+NO_KV_EVENT_ROLES = frozenset({"decode", "encode", "embed"})
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -151,6 +152,11 @@ class ModelFacts(msgspec.Struct, kw_only=True):
     eos_token_ids: list[int] = []
     input_modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])  # besides tokens: "image"
     max_logprobs: int = 20  # top logprobs a request may ask for (vLLM's --max-logprobs; -1: vocab_size)
+    # a pooling (embed) engine: the length of its embeddings, and whether (and to which lengths) a
+    # request's ``dimensions`` may shorten them (Matryoshka; vLLM's ModelConfig of the same names)
+    embedding_size: int | None = None
+    is_matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None
 
 
 class EngineStats(msgspec.Struct, kw_only=True):
@@ -198,7 +204,8 @@ class EngineDeadError(Exception):
 
 
 class EncodeFailed(Exception):
-    """An encode engine's run ended without an output for every image (aborted, or none written)."""
+    """An encode engine's run ended without an output for every image (aborted, or none written),
+    or an embedding engine's run without an embedding (aborted)."""
 
 
 class Engine(abc.ABC):
@@ -227,6 +234,13 @@ class Engine(abc.ABC):
         order; ``cached=False`` runs the encoder even for images encoded recently. Raises
         EncodeFailed, EngineDeadError; an engine of another role refuses (BadRequest)."""
         raise BadRequest("this worker is not an encode worker")
+
+    async def embed(self, token_ids: list[int], request_id: str, *, dimensions: int | None = None,
+                    use_activation: bool | None = None) -> bytes:
+        """Role "embed": the prompt's embedding as little-endian float32 bytes (``dimensions``: a
+        Matryoshka model's shortened embedding). Raises EngineDeadError, ValueError for a request
+        the engine refuses (vLLM's own checks); an engine of another role refuses (BadRequest)."""
+        raise BadRequest("this worker is not an embedding worker")
 
     async def encode_probe(self, request_id: str) -> None:
         """Encode a small built-in image through the engine (readiness and liveness of an encode

@@ -224,6 +224,10 @@ def build_engine_args(engine_args: Mapping[str, Any], role: Role = "agg",
         # an encode worker names each image of a run uniquely (its outputs must be written anew
         # every time: actors.engines.ec_staging), so vLLM's processor cache would never hit
         args.setdefault("mm_processor_cache_gb", 0)
+    if role == "embed":
+        # vLLM's pooling runner: a generative checkpoint (the tiny Llama) is converted to an
+        # embedding model (last-token pooling, normalized), as `vllm serve --runner pooling` does
+        args.setdefault("runner", "pooling")
     if "kv_events_config" not in args and role not in NO_KV_EVENT_ROLES:
         args["kv_events_config"] = kv_events_config(kv_events_port,
                                                     int(args.get("data_parallel_size") or 1))

@@ -7,7 +7,9 @@ is CPU, and every default yields to an explicit engine arg or env entry from the
 Roles: ``agg`` serves whole requests; ``prefill`` runs one token with ``do_remote_decode`` and
 returns the connector's ``kv_transfer_params`` (NIXL: where the decode engine pulls the KV from);
 ``decode`` passes those params back to its connector. KV events (ZMQ) are on for agg and prefill.
-``encode`` (E/P/D) runs the vision encoder only (vLLM's ``ec_producer``: no KV cache at all) and
+``embed`` runs vLLM's pooling runner (``runner="pooling"``: a generative checkpoint is converted to an
+embedding model) and answers ``embed`` with one embedding per prompt. ``encode`` (E/P/D) runs the
+vision encoder only (vLLM's ``ec_producer``: no KV cache at all) and
 hands each image's output over as bytes (``encode``); an agg or prefill engine built with
 ``ec_consumer`` loads the outputs a request carries instead of encoding those images itself
 (actors.engines.vllm_epd; the files of vLLM's file connector, one private directory per engine, are
@@ -32,6 +34,7 @@ from typing import Any
 
 from actors.engines import vllm_args
 from actors.engines.protocol import (
+    EncodeFailed,
     Engine,
     EngineDeadError,
     EngineOutput,
@@ -53,7 +56,7 @@ from bus.errors import BadRequest
 
 logger = logging.getLogger(__name__)
 
-_ROLES = ("agg", "prefill", "decode", "encode")
+_ROLES = ("agg", "prefill", "decode", "encode", "embed")
 _DEATH_POLL_S = 0.2
 
 
@@ -174,9 +177,15 @@ class VllmEngine(Engine):
         tiny Llama and ``generate({"prompt_token_ids": [1, 2, 3]})``: exit status 132). A KV block on CPU is a
         multiple of 32 tokens, so 16 tokens fill none: nothing is cached or published. The GPU
         kernels have no such fault, so GPU engines start without it."""
+        prompt = {"prompt_token_ids": list(range(1, 17))}
+        if self.role == "embed":  # a pooling engine generates nothing: one embedding is its forward
+            from vllm import PoolingParams
+
+            async for _ in llm.encode(prompt, PoolingParams(task="embed"), "vllm-actors-warm-up"):
+                pass
+            return
         from vllm.sampling_params import SamplingParams
 
-        prompt = {"prompt_token_ids": list(range(1, 17))}
         async for _ in llm.generate(prompt, SamplingParams(max_tokens=1), "vllm-actors-warm-up"):
             pass
 
@@ -263,6 +272,32 @@ class VllmEngine(Engine):
             finally:
                 if self._consume is not None:
                     self._consume.unstage(prompt, staged)
+
+    # --- embed: vLLM's pooling runner ----------------------------------------------------------------
+    async def embed(self, token_ids: list[int], request_id: str, *, dimensions: int | None = None,
+                    use_activation: bool | None = None) -> bytes:
+        """One prompt's embedding (vLLM's ``encode`` with task "embed"), as little-endian float32
+        bytes. vLLM's PoolingParams checks ``dimensions`` against the model (VLLMValidationError)."""
+        if self.role != "embed":
+            raise BadRequest("this worker is not an embedding worker")
+        from vllm import PoolingParams
+
+        llm = self._live()
+        params = PoolingParams(task="embed", dimensions=dimensions, use_activation=use_activation)
+        stream = llm.encode({"prompt_token_ids": token_ids}, params, request_id)
+        last: Any = None
+        try:
+            async for out in stream:
+                last = out
+        except self._vllm_dead_error as e:
+            self._mark_dead(str(e) or "EngineCore died")
+            raise EngineDeadError(str(e) or "engine dead") from e
+        finally:
+            await stream.aclose()  # a consumer that stopped early aborts the request in vLLM
+        data = getattr(getattr(last, "outputs", None), "data", None)
+        if data is None:
+            raise EncodeFailed(f"embedding {request_id} ended without an output (aborted)")
+        return data.to("cpu").float().numpy().astype("<f4").tobytes()
 
     # --- E/P/D: encoder outputs (vllm_epd) -----------------------------------------------------------
     async def encode(self, mm: MultiModalInput, token_ids: list[int], request_id: str, *,

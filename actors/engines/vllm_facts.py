@@ -29,7 +29,18 @@ def model_facts(llm: Any) -> ModelFacts:
         dp_size=cfg.parallel_config.data_parallel_size,
         hidden_size=mc.get_hidden_size(), vocab_size=mc.get_vocab_size(), eos_token_ids=eos,
         max_logprobs=mc.max_logprobs, input_modalities=input_modalities(mc),
+        **pooling_facts(mc),
     )
+
+
+def pooling_facts(mc: Any) -> dict[str, Any]:
+    """A pooling (embedding) model's: its embeddings' length and its Matryoshka dimensions (what a
+    request's ``dimensions`` may ask for); nothing for a generative model."""
+    if getattr(mc, "runner_type", None) != "pooling":
+        return {}
+    mds = mc.matryoshka_dimensions
+    return {"embedding_size": int(mc.embedding_size), "is_matryoshka": bool(mc.is_matryoshka),
+            "matryoshka_dimensions": [int(d) for d in mds] if mds else None}
 
 
 def input_modalities(mc: Any) -> list[str]:

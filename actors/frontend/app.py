@@ -84,6 +84,16 @@ class FrontendApp:
                               middlewares=[self._errors_mw])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        # /v1/embeddings: embed pools' workers, on the chat pipeline's workers, bus link and quarantine
+        from .embeddings import PATH as EMBEDDINGS_PATH
+        from .embeddings import EmbeddingService
+
+        p = self.pipeline
+        self.embeddings = EmbeddingService(workers=self.workers, link=p.deps.link, config=self.config,  # type: ignore[arg-type]
+                                           metrics=self.metrics, preprocessors=p.preprocessors,
+                                           quarantine=p.deps.quarantine, expected=p.expected,
+                                           model_config=p.model_config)
+        app.router.add_post(EMBEDDINGS_PATH, self.embeddings.handle)
         app.router.add_post(MESSAGES_PATH, self.messages)
         app.router.add_post(MESSAGES_PATH + "/count_tokens", self.count_tokens)
         app.router.add_post(RESPONSES_PATH, self.responses)

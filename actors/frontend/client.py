@@ -10,8 +10,18 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import msgspec
+
 from actors.worker import contract as C
-from actors.worker.contract import EncodeReply, EncodeRequest, GenerateChunk, GenerateRequest
+from actors.worker.contract import (
+    CancelRequest,
+    EmbedReply,
+    EmbedRequest,
+    EncodeReply,
+    EncodeRequest,
+    GenerateChunk,
+    GenerateRequest,
+)
 from bus import rpc
 from bus.connection import settling, wait_connected
 from bus.context import BusContext
@@ -57,6 +67,23 @@ class WorkerClient:
             self.bus.nc, self.bus.subjects.worker(worker.instance, C.VERB_ENCODE), req,
             timeout=self.stall_timeout, msgpack=True, reply_type=EncodeReply)
         return reply
+
+    async def embed(self, worker: Worker, req: EmbedRequest) -> EmbedReply:
+        """An embedding worker's embedding of one prompt; a unary request bounded by the stall
+        timeout (a prompt's pooling is one engine step, plus its wait in the engine's queue)."""
+        reply: EmbedReply = await rpc.request(
+            self.bus.nc, self.bus.subjects.worker(worker.instance, C.VERB_EMBED), req,
+            timeout=self.stall_timeout, msgpack=True, reply_type=EmbedReply)
+        return reply
+
+    async def cancel(self, worker: Worker, request_id: str) -> None:
+        """Tell ``worker`` to abort ``request_id`` (a unary request whose caller left); best
+        effort, no answer awaited: the worker aborts it if it still runs."""
+        try:
+            await self.bus.nc.publish(self.bus.subjects.worker_cancel(worker.instance),
+                                      msgspec.json.encode(CancelRequest(request_id=request_id)))
+        except Exception as e:  # noqa: BLE001 - the bus is down: the worker finishes it unheard
+            log.debug("cancel of %s on %s not sent: %s", request_id, worker.instance, e)
 
     async def connected(self) -> bool:
         """Whether this process is on the bus, waiting (at most a stall timeout) for a reconnect in

@@ -35,7 +35,7 @@ class Worker:
     instance: str
     model: str
     pool: str
-    role: str  # agg | prefill | decode
+    role: str  # agg | prefill | decode | encode | embed
     subject: str
     block_size: int | None = None
     host: str = ""
@@ -61,6 +61,12 @@ class ModelEntry:
     @property
     def has_prefill_pool(self) -> bool:
         return any(c.role == "prefill" for c in self.cards.values())
+
+    @property
+    def embeds(self) -> bool:
+        """An embedding model: its pools run vLLM's pooling runner (role "embed"), so it serves
+        /v1/embeddings and nothing that generates (a topology's pools are all embed, or none)."""
+        return any(c.role == "embed" for c in self.cards.values())
 
     @property
     def has_encode_pool(self) -> bool:
@@ -227,7 +233,8 @@ class WorkerSet:
             agg = by_role.get((name, "agg"))
             decode = by_role.get((name, "decode"))
             prefill = by_role.get((name, "prefill"))
-            if not (agg or (decode and (prefill or self.decode_only(name)))):
+            embed = by_role.get((name, "embed"))
+            if not (agg or embed or (decode and (prefill or self.decode_only(name)))):
                 del models[name]  # e.g. prefill workers only, or decode without its prefill pool
         return models
 

@@ -97,6 +97,8 @@ def plan_request(req: ChatCompletionRequest | CompletionRequest, entry: ModelEnt
     ``{"type": "image"}``, as actors.frontend.media returns them) and the model's processor."""
     chat = isinstance(req, ChatCompletionRequest)
     card = entry.card
+    if card.role == "embed":
+        check_generates(entry, chat)
     ctx = card.context_length
     limits = card_limits(card)
     n = req.n if req.n is not None else 1
@@ -184,6 +186,8 @@ def plan_worker_chat(req: ChatCompletionRequest, entry: ModelEntry, lora: str | 
     refused: turning the output into ``tool_calls`` (and forcing them) is the frontend's work over
     the model's tokenizer, which text mode keeps away from it; ``tool_choice: "none"`` is served, its
     tools reach the worker's template as vLLM's server passes them."""
+    if entry.card.role == "embed":
+        check_generates(entry, True)
     if req.tools and req.tool_choice != "none":
         raise BadRequest(f"model {entry.name} runs in text mode: tool calls are not parsed (tool_choice "
                          f"must be \"none\", which still gives the tools to the chat template)",
@@ -206,6 +210,15 @@ def plan_worker_chat(req: ChatCompletionRequest, entry: ModelEntry, lora: str | 
                 sampling=[so], out=out, stream=stream,
                 include_usage=bool(stream and req.stream_options and req.stream_options.include_usage),
                 request_id=new_id("chatcmpl"), chat_prompt=chat)
+
+
+def check_generates(entry: ModelEntry, chat: bool) -> None:
+    """An embedding model (its card's role is "embed") generates nothing: a chat or completion for
+    it is the client's mistake, a 400 in vllm serve's words, not a 503 for want of a worker."""
+    if entry.embeds:
+        api = "Chat Completions API" if chat else "Completions API"
+        raise BadRequest(f"The model does not support {api} (model {entry.name} is an embedding model: "
+                         "use /v1/embeddings)", param="model")
 
 
 def check_takes_images(entry: ModelEntry, pre: Preprocessor | None) -> None:

@@ -64,3 +64,8 @@ class ModelCard(msgspec.Struct, kw_only=True, omit_defaults=True):
     # what a prompt may hold besides tokens: ["text", "image"] for a vision-language model; a card
     # written before this was recorded reads as text only (images refused at the frontend)
     input_modalities: list[str] = msgspec.field(default_factory=lambda: ["text"])
+    # an embedding model (its pool's role is "embed"): the length of its embeddings and what a
+    # request's ``dimensions`` may ask for (Matryoshka), checked at the frontend as vLLM checks them
+    embedding_size: int | None = None
+    is_matryoshka: bool = False
+    matryoshka_dimensions: list[int] | None = None

@@ -326,7 +326,7 @@ class KvRouterFeed:
         self._sizes_cache = None
         self.records[key] = rec
         self._departed.discard(key)
-        if rec.role in ("decode", "encode") or key in self._bootstrapped:  # no KV publisher there
+        if rec.role in ("decode", "encode", "embed") or key in self._bootstrapped:  # no KV publisher there
             return
         self._bootstrapped.add(key)
         self._recover(key, bootstrap=True)

@@ -191,6 +191,25 @@ class EncodeReply(msgspec.Struct, kw_only=True):
     outputs: list[EncodedImage]
 
 
+class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Frontend → embedding worker (verb VERB_EMBED): one prompt's embedding. The frontend has
+    tokenized and truncated the input (vLLM's rules, ``truncate_prompt_tokens``), so ``token_ids``
+    is what the engine runs."""
+
+    request_id: str
+    token_ids: list[int]
+    dimensions: int | None = None  # a Matryoshka model's shortened embedding (vLLM's PoolingParams)
+    use_activation: bool | None = None  # None: the pooler's default (normalize, for most models)
+
+
+class EmbedReply(msgspec.Struct, kw_only=True):
+    """The embedding as little-endian float32 bytes (4 bytes a dimension): on the wire as msgpack
+    bin, and exactly what OpenAI's ``encoding_format: base64`` encodes."""
+
+    embedding: bytes
+    prompt_tokens: int
+
+
 # Control verbs of the engine actor, for ``Subjects.worker(instance, verb)``.
 VERB_SLEEP = "sleep"
 VERB_WAKE_UP = "wake_up"
@@ -199,6 +218,7 @@ VERB_HEALTH = "health"
 VERB_CANCEL = "cancel"
 VERB_STATS = "stats"
 VERB_ENCODE = "encode"  # encode workers (E/P/D): EncodeRequest -> EncodeReply
+VERB_EMBED = "embed"  # embedding workers (role "embed"): EmbedRequest -> EmbedReply
 # Engine-side adapter endpoints used by the LoRA manager (the user-facing verbs are lora.load|unload|list).
 ENGINE_LORA_ADD = "engine.lora_add"
 ENGINE_LORA_REMOVE = "engine.lora_remove"

@@ -4,7 +4,9 @@ Subjects: ``ns.<pool>.generate`` (queue group: any replica) and ``ns.<pool>.gene
 (routed); control on ``ns.worker.<instance>.<verb>`` — sleep, wake_up, clear_kv_blocks, health,
 stats, cancel, and the engine-side adapter verbs the LoRA manager calls (engine.lora_add|remove|list).
 An encode worker (E/P/D, role "encode") also serves ``ns.worker.<instance>.encode`` (EncodeRequest →
-EncodeReply, msgpack or JSON like any verb); its generate subjects refuse every request (400).
+EncodeReply, msgpack or JSON like any verb); its generate subjects refuse every request (400). An
+embedding worker (role "embed") serves ``ns.worker.<instance>.embed`` (EmbedRequest → EmbedReply)
+the same way, and refuses generate too.
 Every control endpoint takes header-less JSON (``nats req``). The verbs that change state (sleep,
 wake_up, clear_kv_blocks, engine.lora_add|remove, cancel's JSON form) are strict: the payload must
 be a JSON object of known fields (``{}`` for the defaults); empty, non-object, malformed or
@@ -31,6 +33,8 @@ from actors.instances.contract import WORKER_KIND, InstanceRecord, ModelCard
 from actors.worker import contract as C
 from actors.worker.contract import (
     ClearKvBlocksRequest,
+    EmbedReply,
+    EmbedRequest,
     EncodeReply,
     EncodeRequest,
     EngineDead,
@@ -61,8 +65,11 @@ from config.topology import ModelConfig, PoolConfig
 log = logging.getLogger(__name__)
 
 GENERATE_ENDPOINTS = ("generate", "generate_instance")
-# what a sleeping worker unsubscribes: the work endpoints (encode exists on encode workers only)
-WORK_ENDPOINTS = (*GENERATE_ENDPOINTS, "encode")
+# what a sleeping worker unsubscribes: the work endpoints (encode exists on encode workers only,
+# embed on embedding workers only)
+WORK_ENDPOINTS = (*GENERATE_ENDPOINTS, "encode", "embed")
+# what the ready and liveness probes did not get, per role
+_PROBE_WORDS = {"encode": ("encoded no image", "encoder"), "embed": ("embedded no prompt", "pooling engine")}
 # How long in-flight streams get to deliver their EngineDead error before the actor fails.
 _DEATH_GRACE = 2.0
 
@@ -167,7 +174,10 @@ class EngineActor(Actor):
                          chat_template=m.chat_template if m else None,
                          vocab_size=f.vocab_size, max_logprobs=f.max_logprobs,
                          hidden_size=f.hidden_size, prompt_embeds=self.pool.prompt_embeds,
-                         input_modalities=list(f.input_modalities))
+                         input_modalities=list(f.input_modalities),
+                         embedding_size=f.embedding_size if self.role == "embed" else None,
+                         is_matryoshka=f.is_matryoshka,
+                         matryoshka_dimensions=list(f.matryoshka_dimensions) if f.matryoshka_dimensions else None)
 
     def statistics(self) -> dict[str, Any]:
         svc = self.service
@@ -184,8 +194,9 @@ class EngineActor(Actor):
     def endpoints(self) -> list[Endpoint]:
         sj = self.bus.subjects
         w = lambda verb: sj.worker(self.instance, verb)  # noqa: E731
-        encode = [Endpoint("encode", w(C.VERB_ENCODE), self.encode, EncodeRequest, queue_group=None)]
-        return [*(encode if self.role == "encode" else []),
+        own = {"encode": [Endpoint("encode", w(C.VERB_ENCODE), self.encode, EncodeRequest, queue_group=None)],
+               "embed": [Endpoint("embed", w(C.VERB_EMBED), self.embed, EmbedRequest, queue_group=None)]}
+        return [*own.get(self.role, []),
             Endpoint("generate", sj.generate(self.pool_name), self.generate, GenerateRequest, streaming=True),
             Endpoint("generate_instance", sj.generate_instance(self.pool_name, self.instance), self.generate,
                      GenerateRequest, streaming=True, queue_group=None),
@@ -224,6 +235,9 @@ class EngineActor(Actor):
     async def encode(self, req: EncodeRequest, _h: Mapping[str, str]) -> EncodeReply:
         return await self.service.encode(req)
 
+    async def embed(self, req: EmbedRequest, _h: Mapping[str, str]) -> EmbedReply:
+        return await self.service.embed(req)
+
     async def sleep(self, req: SleepRequest, _h: Mapping[str, str]) -> StatusReply:
         with self.metrics.track("sleep"):
             return await self.sleeper.sleep(req)
@@ -259,17 +273,18 @@ class EngineActor(Actor):
     async def ready_probe(self) -> None:
         """Ready means serving: before the instance is registered, one token is generated through
         our own routed generate subject (the bus, the subscription and the engine all answer); an
-        encode worker encodes its built-in image through its own encode subject instead."""
+        encode worker encodes its built-in image through its own encode subject instead, an
+        embedding worker embeds a short prompt through its embed subject."""
         if self.service.sleeping:
             return  # registered as "sleeping": not routable, nothing to prove yet
         deadline = self.pool.health.timeout
         try:
             await probe_worker(self.bus, self.pool_name, self.instance, self.role, 0, deadline)
         except TimeoutError:
-            did = "encoded no image" if self.role == "encode" else "produced no token"
+            did = _PROBE_WORDS.get(self.role, ("produced no token", ""))[0]
             raise EngineDead(f"engine of {self.instance} {did} within {deadline:g}s of start") from None
         log.info("%s: %s answered its readiness probe; registering", self.instance,
-                 "encoder" if self.role == "encode" else "engine")
+                 _PROBE_WORDS.get(self.role, ("", "engine"))[1])
 
     async def kv_sources(self, _req: Any, _h: Mapping[str, str]) -> EngineKvSources:
         eng = self.service.engine

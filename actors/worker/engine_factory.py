@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 
 def _model_token_facts(path: str) -> dict[str, int]:
-    """``vocab_size`` and ``eos_token_id`` from a local model's config.json ("tiny" = the locally
-    built tiny model), where they are set."""
+    """``vocab_size``, ``eos_token_id`` and ``embedding_size`` (the model's ``hidden_size``, what
+    vLLM's pooler returns) from a local model's config.json ("tiny" = the locally built tiny
+    model), where they are set."""
     path = resolve_model_path(path)
     try:
         with open(f"{path}/config.json") as f:
@@ -31,7 +32,8 @@ def _model_token_facts(path: str) -> dict[str, int]:
         return {}  # not a local directory (e.g. a hub id): keep the mocker's defaults
     text = config.get("text_config") or {}  # a vision-language model keeps them in its text config
     facts = {"vocab_size": config.get("vocab_size", text.get("vocab_size")),
-             "eos_token_id": config.get("eos_token_id", text.get("eos_token_id"))}
+             "eos_token_id": config.get("eos_token_id", text.get("eos_token_id")),
+             "embedding_size": config.get("hidden_size", text.get("hidden_size"))}
     if isinstance(facts["eos_token_id"], list) and facts["eos_token_id"]:
         facts["eos_token_id"] = facts["eos_token_id"][0]  # the mocker ends on one id: the first EOS
     return {k: v for k, v in facts.items() if isinstance(v, int) and not isinstance(v, bool) and v >= 0}

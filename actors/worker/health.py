@@ -21,6 +21,8 @@ from actors.base import Actor, Endpoint
 from actors.engines.protocol import MultiModalInput, SamplingOptions
 from actors.worker import contract as C
 from actors.worker.contract import (
+    EmbedReply,
+    EmbedRequest,
     EncodeReply,
     EncodeRequest,
     EngineDead,
@@ -192,6 +194,11 @@ def probe_request(n: int) -> GenerateRequest:
                            sampling=SamplingOptions(max_tokens=1, temperature=0.0, detokenize=False))
 
 
+def probe_embed_request(n: int) -> EmbedRequest:
+    """An embedding worker's probe: a one-token prompt (token 1: any vocabulary has it)."""
+    return EmbedRequest(request_id=f"probe-{n}-{time.monotonic_ns()}", token_ids=[1])
+
+
 def probe_encode_request(n: int) -> EncodeRequest:
     """An encode worker's probe: it encodes its own built-in image (EncodeRequest.probe)."""
     return EncodeRequest(request_id=f"probe-{n}-{time.monotonic_ns()}", token_ids=[], probe=True,
@@ -213,10 +220,12 @@ async def probe_worker(bus: BusContext, pool_name: str, instance: str, role: str
     """One probe through the worker's own routed subject, as a request reaches it: a one-token
     generate, or for an encode worker the encoding of its built-in image. TimeoutError when it does
     not finish within ``deadline`` seconds (a hang, not a transport failure: those propagate)."""
-    if role == "encode":
+    if role in ("encode", "embed"):
+        verb, req, reply = ((C.VERB_ENCODE, probe_encode_request(n), EncodeReply) if role == "encode"
+                            else (C.VERB_EMBED, probe_embed_request(n), EmbedReply))
         try:
-            await rpc.request(bus.nc, bus.subjects.worker(instance, C.VERB_ENCODE), probe_encode_request(n),
-                              timeout=deadline, msgpack=True, reply_type=EncodeReply)
+            await rpc.request(bus.nc, bus.subjects.worker(instance, verb), req,
+                              timeout=deadline, msgpack=True, reply_type=reply)
         except RequestTimeout as e:
             raise TimeoutError(str(e)) from None
         return

@@ -21,6 +21,8 @@ from actors.engines.protocol import EncodeFailed, Engine, EngineDeadError, LoraR
 from actors.worker.chat_render import ChatSupport
 from actors.worker.contract import (
     DisaggregatedParams,
+    EmbedReply,
+    EmbedRequest,
     EncodedImage,
     EncodeReply,
     EncodeRequest,
@@ -38,6 +40,7 @@ from actors.worker.metrics import WorkerMetrics
 from actors.worker.validation import (
     build_prompt,
     check_context,
+    check_embed,
     check_encode,
     check_sampling,
     kv_params_for,
@@ -50,6 +53,7 @@ log = logging.getLogger(__name__)
 
 GENERATE = "generate"
 ENCODE = "encode"
+EMBED = "embed"
 # Aborts the worker decided on (not the caller): the stream ends with a 503 instead of "abort".
 _MIGRATE_REASONS = {"shutdown": "shutting down", "sleep": "going to sleep"}
 
@@ -178,6 +182,9 @@ class EngineService:
         if self.role == "encode":
             raise BadRequest("this is an encode worker: it runs the vision encoder only (verb encode); "
                              "generate requests go to agg or prefill workers")
+        if self.role == "embed":
+            raise BadRequest("this is an embedding worker: it runs a pooling model (verb embed), "
+                             "which generates nothing; generate requests go to agg or decode workers")
         self._check_accepting()
         facts = self.engine.facts
         check_sampling(req.sampling, facts)
@@ -342,6 +349,48 @@ class EngineService:
             self._active.pop(rid, None)
             self._last_activity = self.last_output = time.monotonic()
         return EncodeReply(outputs=[EncodedImage(uuid=u, encoder_output=data) for u, data in outputs])
+
+    # --- embed (role "embed") ------------------------------------------------------------------------
+    async def embed(self, req: EmbedRequest) -> EmbedReply:
+        """One prompt's embedding. Refusals as for generate (Overloaded while dead, asleep or
+        stopping: the frontend sends it elsewhere); a death during the run is EngineDead, an abort
+        the worker decided on (shutdown, sleep) Unavailable, a cancel by the caller Unavailable too
+        (nobody waits for it). An embedding is idempotent, so any of these may be re-sent."""
+        if self.role != "embed":
+            raise BadRequest("this worker is not an embedding worker (its pool's role is "
+                             f"{self.role!r}): send embedding requests to an embed pool's workers")
+        self._check_accepting()
+        check_embed(req, self.engine.facts, self.max_model_len)
+        if self.pool.max_waiting is not None:
+            waiting = sum(s.num_waiting for s in self.engine.stats())
+            if waiting >= self.pool.max_waiting:
+                raise Overloaded(f"overloaded: {waiting} requests waiting (max_waiting={self.pool.max_waiting})")
+        act = self._register(req.request_id or uuid.uuid4().hex)
+        rid = act.request_id
+        try:
+            with self.metrics.track(EMBED):
+                data = await self.engine.embed(list(req.token_ids), rid, dimensions=req.dimensions,
+                                               use_activation=req.use_activation)
+        except EngineDeadError as e:
+            raise EngineDead(f"engine dead: {e}") from None
+        except EncodeFailed as e:  # the run ended without an embedding: aborted
+            data = b""
+            if act.abort_reason is None:
+                raise Unavailable(f"embedding {rid}: {e}") from None
+        except ActorError:
+            raise
+        except Exception as e:
+            if not is_request_error(e):
+                raise
+            raise BadRequest(message_of(e), param=getattr(e, "parameter", None) or "input") from None
+        finally:
+            self._active.pop(rid, None)
+            self._last_activity = self.last_output = time.monotonic()
+        if act.abort_reason is not None:  # aborted while it ran: the engine's output is not one
+            self.metrics.cancelled(EMBED, act.abort_reason)
+            why = _MIGRATE_REASONS.get(act.abort_reason, act.abort_reason)
+            raise Unavailable(f"embedding {rid} aborted ({why})")
+        return EmbedReply(embedding=data, prompt_tokens=len(req.token_ids))
 
     async def cancel(self, request_id: str) -> StatusReply:
         act = self._active.get(request_id)

@@ -22,7 +22,7 @@ from actors.engines.protocol import (
     TextPrompt,
     TokensPrompt,
 )
-from actors.worker.contract import EncodeRequest, GenerateRequest
+from actors.worker.contract import EmbedRequest, EncodeRequest, GenerateRequest
 from bus.errors import BadRequest, PayloadTooLarge
 
 
@@ -108,6 +108,19 @@ def check_encode(req: EncodeRequest, facts: ModelFacts, max_model_len: int) -> N
     _check_ids(req.token_ids, facts)
     check_mm(req.mm, len(req.token_ids), facts)
     check_context(max_model_len, len(req.token_ids), 1)
+
+
+def check_embed(req: EmbedRequest, facts: ModelFacts, max_model_len: int) -> None:
+    """An embedding request as vLLM's renderer checks a pooling prompt: the model's tokens, not
+    empty, and within the context whole (a pooling request has no output tokens)."""
+    if not req.token_ids:
+        raise BadRequest("the prompt is empty: an embedding needs at least one token", param="input")
+    _check_ids(req.token_ids, facts)
+    if len(req.token_ids) > max_model_len:
+        raise BadRequest(f"This model's maximum context length is {max_model_len} tokens. However, your "
+                         f"prompt contains {len(req.token_ids)} input tokens, which exceeds this limit "
+                         "even without any output tokens. Please reduce the length of the input prompt.",
+                         param="input_tokens")
 
 
 def role_sampling(role: str, sampling: SamplingOptions) -> SamplingOptions:

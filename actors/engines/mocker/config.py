@@ -27,6 +27,9 @@ Keys (all optional; an unknown key is a ValueError naming it):
 | tokenizer | None | a tokenizer directory (its ``tokenizer.json``) or file: text prompts are encoded and output text decoded with it instead of bytes and ``" t<id>"``; ``script`` needs it (a worker passes its model's when the pool has a script) |
 | script | [] | scripted replies (below) |
 | input_modalities | ["text"] | what prompts may hold: add "image" to take image prompts (token ids already expanded, plus ``mm``); their blocks are cached and published under vLLM's image keys, the images themselves are not looked at |
+| embedding_size | 128 | role "embed": the length of an embedding (a worker sets the model's ``hidden_size``) |
+| is_matryoshka | False | role "embed": a request's ``dimensions`` may shorten the embedding (vLLM's Matryoshka models) |
+| matryoshka_dimensions | None | role "embed": the only ``dimensions`` allowed (a list), as a model's config names them |
 
 ``script`` is a list of tables ``{ when = "substring", text = "reply" }`` (TOML: an array of inline
 tables, or ``[[pools.<name>.engine_args.script]]`` blocks). For each request the first entry whose
@@ -77,6 +80,9 @@ class MockerArgs:
     tokenizer: str | None = None
     script: tuple[ScriptEntry, ...] = ()
     input_modalities: tuple[str, ...] = ("text",)
+    embedding_size: int = 128
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @classmethod
     def from_dict(cls, args: dict[str, Any] | None) -> MockerArgs:
@@ -89,8 +95,9 @@ class MockerArgs:
             args["speedup_ratio"] = parse_speedup(args["speedup_ratio"])
         if "script" in args:
             args["script"] = parse_script(args["script"])
-        if isinstance(args.get("input_modalities"), list):  # TOML arrays are lists
-            args["input_modalities"] = tuple(args["input_modalities"])
+        for key in ("input_modalities", "matryoshka_dimensions"):
+            if isinstance(args.get(key), list):  # TOML arrays are lists
+                args[key] = tuple(args[key])
         out = cls(**args)
         out.validate()
         return out
@@ -105,7 +112,7 @@ class MockerArgs:
 
     def validate(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "vocab_size", "dp_size", "max_loras"):
+                     "max_model_len", "vocab_size", "dp_size", "max_loras", "embedding_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"mocker arg {name} must be a positive int, got {v!r}")
@@ -131,6 +138,11 @@ class MockerArgs:
                 or not all(isinstance(m, str) and m in MODALITIES for m in mods):
             raise ValueError(f"mocker arg input_modalities must list \"text\" and optionally \"image\", "
                              f"got {mods!r}")
+        mds = self.matryoshka_dimensions
+        if mds is not None and not (isinstance(mds, tuple) and mds and all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 < d <= self.embedding_size for d in mds)):
+            raise ValueError(f"mocker arg matryoshka_dimensions must list dimensions in [1, {self.embedding_size}] "
+                             f"(embedding_size), got {mds!r}")
         if self.script and self.tokenizer is None:
             raise ValueError("mocker arg script needs a tokenizer (the text is encoded with it): set the "
                              "topology's model, or the mocker arg tokenizer")

@@ -38,6 +38,7 @@ from actors.engines.mm_keys import MmSpan, mm_spans
 from actors.engines.mocker import outputs
 from actors.engines.mocker import tokens as tk
 from actors.engines.mocker.config import MockerArgs
+from actors.engines.mocker.embedding import check_dimensions, embedding
 from actors.engines.mocker.loras import LoadedLoras
 from actors.engines.mocker.ranks import Rank, Sink, build_ranks
 from actors.engines.mocker.scheduler import MockRequest, StepResult
@@ -46,6 +47,7 @@ from actors.engines.mocker.text_codec import IncrementalDetokenizer, TextCodec
 from actors.engines.mocker.timing import TimingModel
 from actors.engines.protocol import (
     EmbedsPrompt,
+    EncodeFailed,
     Engine,
     EngineDeadError,
     EngineOutput,
@@ -60,15 +62,26 @@ from actors.engines.protocol import (
     TextPrompt,
     TokensPrompt,
 )
+from bus.errors import BadRequest
 
 logger = logging.getLogger(__name__)
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Returns once any of ``events`` is set."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 class MockerEngine(Engine):
     def __init__(self, args: dict[str, Any] | None = None, role: Role = "agg",
                  served_model_name: str = "mock", kv_events_port: int | None = None,
                  seed: int = 0) -> None:
-        if role not in ("agg", "prefill", "decode"):
+        if role not in ("agg", "prefill", "decode", "embed"):
             raise ValueError(f"unknown role {role!r}")
         self.args = MockerArgs.from_dict(args)
         self.role = role
@@ -80,7 +93,9 @@ class MockerEngine(Engine):
             served_model_name=served_model_name, model_path="mock", tokenizer_path="mock",
             max_model_len=a.max_model_len, block_size=a.block_size, total_kv_blocks=a.num_gpu_blocks,
             dp_size=a.dp_size, vocab_size=a.vocab_size, eos_token_ids=[a.eos_token_id],
-            max_logprobs=a.max_logprobs, input_modalities=list(a.input_modalities))
+            max_logprobs=a.max_logprobs, input_modalities=list(a.input_modalities),
+            embedding_size=a.embedding_size if role == "embed" else None, is_matryoshka=a.is_matryoshka,
+            matryoshka_dimensions=list(a.matryoshka_dimensions) if a.matryoshka_dimensions else None)
         self.limits = Limits.of(self.facts)
         self.timing = TimingModel(a.speedup_ratio)
         self.received_kv_transfer_params: list[dict[str, Any]] = []
@@ -98,6 +113,7 @@ class MockerEngine(Engine):
             if a.script and self._codec is not None else None
         self._started = False
         self._stopped = False
+        self._embeds: dict[str, asyncio.Event] = {}  # embedding requests in flight -> their abort
 
     # --- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -350,7 +366,63 @@ class MockerEngine(Engine):
             if not req.finished and not self._dead.is_set():
                 rank.sched.finish(req, "abort")  # the consumer went away
 
+    async def embed(self, token_ids: list[int], request_id: str, *, dimensions: int | None = None,
+                    use_activation: bool | None = None) -> bytes:
+        """Role "embed": a deterministic embedding of the prompt (the same ids and seed give the
+        same vector, as a pooling model does), after the timing model's prefill time for it. Faults
+        as for generate: ``poison_token_id`` kills the process, a death raises EngineDeadError, a
+        hang or sleep holds it, an abort ends it with EncodeFailed."""
+        if self.role != "embed":
+            raise BadRequest("this worker is not an embedding worker")
+        if self._dead.is_set():
+            raise EngineDeadError("mocker engine is dead")
+        if not self._started or self._stopped:
+            raise RuntimeError("mocker engine is not running")
+        check_prompt_ids(token_ids, self.limits)
+        if not token_ids:
+            raise ValueError("empty prompt")
+        if len(token_ids) > self.args.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.args.max_model_len}")
+        size = check_dimensions(self.args, self.facts.served_model_name, dimensions)
+        if self.args.poison_token_id is not None and self.args.poison_token_id in token_ids:
+            logger.error("mocker %s: request %s holds poison_token_id %d; killing this process",
+                         self.engine_id, request_id, self.args.poison_token_id)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if request_id in self._embeds:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        aborted = self._embeds[request_id] = asyncio.Event()
+        try:
+            await self._embed_wait(self.timing.step_seconds(len(token_ids), 0, 0, 1), aborted)
+        finally:
+            self._embeds.pop(request_id, None)
+        if self._dead.is_set():
+            raise EngineDeadError("mocker engine died")
+        if aborted.is_set():
+            raise EncodeFailed(f"embedding {request_id} aborted")
+        return embedding(token_ids, self.seed, self.args.embedding_size, size, use_activation is not False)
+
+    async def _embed_wait(self, seconds: float, aborted: asyncio.Event) -> None:
+        """The embedding's compute time, held while asleep or hung; ends early on death or abort."""
+        stop = asyncio.ensure_future(_first(self._dead, aborted))
+        try:
+            while not stop.done():
+                if not self._awake.is_set() or self._hung:
+                    gate = self._awake if not self._awake.is_set() else self._unhang
+                    await asyncio.wait({stop, asyncio.ensure_future(gate.wait())},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                if seconds > 0:
+                    await asyncio.wait({stop}, timeout=seconds)
+                else:
+                    await asyncio.sleep(0)  # zero compute: a bare yield, as a mocker step is
+                return
+        finally:
+            stop.cancel()
+
     async def abort(self, request_id: str) -> None:
+        ev = self._embeds.get(request_id)
+        if ev is not None:
+            ev.set()
         for rank in self._ranks:
             req = rank.sched.requests.get(request_id)
             if req is not None:

@@ -16,6 +16,7 @@ from actors.engines.mocker.kv_pool import BlockPool
 from actors.engines.mocker.scheduler import MockRequest, Scheduler, StepResult
 from actors.engines.mocker.text_codec import IncrementalDetokenizer
 from actors.engines.protocol import (
+    NO_KV_EVENT_ROLES,
     EngineOutput,
     EngineStats,
     KvEventSource,
@@ -94,14 +95,14 @@ def build_ranks(a: MockerArgs, role: Role, kv_events_port: int,
     try:
         for r in range(a.dp_size):
             pool = BlockPool(a.num_gpu_blocks, a.block_size, a.enable_prefix_caching,
-                             emit_events=role != "decode")
+                             emit_events=role not in NO_KV_EVENT_ROLES)
             sched = Scheduler(pool, max_num_seqs=a.max_num_seqs,
                               max_num_batched_tokens=a.max_num_batched_tokens,
                               max_model_len=a.max_model_len,
                               enable_chunked_prefill=a.enable_chunked_prefill,
                               max_loras=a.max_loras, sample=sample)
             pub = None
-            if role != "decode":
+            if role not in NO_KV_EVENT_ROLES:
                 base = kv_events_port
                 pub = ZmqKvEventPublisher(
                     r, pub_port=base + r if base else 0,
