@@ -1,6 +1,6 @@
 """HTTP fuzzing of the generation surface: hypothesis-drawn bodies for /v1/completions,
-/v1/chat/completions, /v1/responses and /v1/messages sent to a running deployment, judged only on
-what a client may rely on.
+/v1/chat/completions, /v1/responses and /v1/messages sent to a running deployment (and for
+/v1/embeddings, ``EMBED_PATHS``, to an embedding model's), judged only on what a client may rely on.
 
 Every response must be a 2xx or a 4xx, and every error a JSON body in its API's shape (OpenAI's
 ``{"error": {"message": str, "type": str, "param": ..., "code": ...}}``; on /v1/messages Anthropic's
@@ -37,6 +37,8 @@ COMPL = "/v1/completions"
 RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 PATHS = (CHAT, COMPL, RESPONSES, MESSAGES)
+EMBEDDINGS = "/v1/embeddings"
+EMBED_PATHS = (EMBEDDINGS,)  # served by an embedding model's deployment, not a generative one's
 JSON = "application/json"
 
 
@@ -140,6 +142,31 @@ def explicit_cases(model: str) -> list[Case]:
     return cases
 
 
+def explicit_embedding_cases(model: str) -> list[Case]:
+    """/v1/embeddings on an embedding model: inputs of each kind, and what vLLM refuses."""
+
+    def emb(**kw: Any) -> bytes:
+        return json.dumps({"model": model, **kw}).encode()
+
+    cases = [Case(f"issue:embed-input-{v!r}", EMBEDDINGS, emb(input=v), expect=400)
+             for v in (5, None, 1.5, True, [], [[]], [[1, -1]], [2**63 + 5], {"a": 1}, [["x"]])]
+    cases += [
+        Case("issue:embed-float", EMBEDDINGS, emb(input=["hi", "there"], encoding_format="float"), expect=200),
+        Case("issue:embed-base64-f16-big", EMBEDDINGS, emb(input="hi", encoding_format="base64",
+                                                           embed_dtype="float16", endianness="big"), expect=200),
+        Case("issue:embed-dimensions", EMBEDDINGS, emb(input="hi", dimensions=8), expect=400),
+        Case("issue:embed-dimensions-2**64", EMBEDDINGS, emb(input="hi", dimensions=2**64 + 1), expect=400),
+        Case("issue:embed-truncate-2**63", EMBEDDINGS, emb(input="hi", truncate_prompt_tokens=2**63), expect=400),
+        Case("issue:embed-truncate-1", EMBEDDINGS, emb(input="hi there", truncate_prompt_tokens=1), expect=200),
+        Case("issue:embed-normalize", EMBEDDINGS, emb(input="hi", normalize=True), expect=400),
+        Case("issue:embed-bytes", EMBEDDINGS, emb(input="hi", encoding_format="bytes"), expect=400),
+        Case("issue:embed-messages", EMBEDDINGS, emb(messages=[{"role": "user", "content": "hi"}]), expect=400),
+        Case("issue:embed-chat-on-embed-model", CHAT, json.dumps({"model": model, "max_tokens": 4, "messages": [
+            {"role": "user", "content": "hi"}]}).encode(), expect=400),
+    ]
+    return cases
+
+
 # --- strategies ------------------------------------------------------------------------------------
 EDGE_INTS = [0, 1, -1, -2, 2, 16, 20, 21, 100, 128, 129, 2047, 2048, 2049, 16384, 2**31 - 1, 2**31,
              2**53 + 1, 2**63 - 1, 2**63, 2**63 + 5, 2**64 - 1, 2**64, 2**64 + 1, -(2**63), -(2**63) - 1,
@@ -234,6 +261,16 @@ MESSAGES_FIELDS: dict[str, st.SearchStrategy[Any]] = {
                                          optional={"name": strings}) | junk,
     "thinking": junk, "output_config": junk,
 }
+EMBEDDING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
+    "input": strings | token_ids | st.lists(token_ids, max_size=3) | st.lists(strings, max_size=3),
+    "encoding_format": st.sampled_from(["float", "base64", "bytes", "hex"]) | junk,
+    "embed_dtype": st.sampled_from(["float32", "float16", "bfloat16", "fp8_e4m3", "int8"]) | junk,
+    "endianness": st.sampled_from(["native", "big", "little", "middle"]) | junk,
+    "dimensions": ints, "truncate_prompt_tokens": ints, "truncation_side": st.sampled_from(["left", "right"]) | junk,
+    "use_activation": st.booleans() | junk, "add_special_tokens": st.booleans() | junk, "user": strings,
+    "priority": ints, "padding": st.sampled_from(["max_length", "do_not_pad"]) | junk,
+    "messages": junk, "task": junk, "cache_salt": strings, "request_id": strings,
+}
 COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     **COMMON, "logprobs": ints | st.booleans(), "suffix": strings,
     "prompt": strings | token_ids | st.lists(token_ids, max_size=3) | st.lists(strings, max_size=3),
@@ -264,16 +301,20 @@ def good_body(path: str, model: str) -> dict[str, Any]:
         return {"model": model, "prompt": "hi", "max_tokens": 4}
     if path == RESPONSES:
         return {"model": model, "input": "hi", "max_output_tokens": 4}
+    if path == EMBEDDINGS:
+        return {"model": model, "input": "hi"}
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}  # chat, messages
 
 
-_FIELDS = {CHAT: CHAT_FIELDS, COMPL: COMPLETION_FIELDS, RESPONSES: RESPONSES_FIELDS, MESSAGES: MESSAGES_FIELDS}
-_LABELS = {CHAT: "chat", COMPL: "completion", RESPONSES: "responses", MESSAGES: "messages"}
+_FIELDS = {CHAT: CHAT_FIELDS, COMPL: COMPLETION_FIELDS, RESPONSES: RESPONSES_FIELDS, MESSAGES: MESSAGES_FIELDS,
+           EMBEDDINGS: EMBEDDING_FIELDS}
+_LABELS = {CHAT: "chat", COMPL: "completion", RESPONSES: "responses", MESSAGES: "messages",
+           EMBEDDINGS: "embeddings"}
 
 
 @st.composite
-def json_case(draw: st.DrawFn, model: str) -> Case:
-    path = draw(st.sampled_from(PATHS))
+def json_case(draw: st.DrawFn, model: str, paths: Sequence[str] = PATHS) -> Case:
+    path = draw(st.sampled_from(paths))
     base = good_body(path, model)
     for key in draw(st.sets(st.sampled_from(sorted(base)), max_size=2)):
         del base[key]  # a missing required field now and then
@@ -286,8 +327,8 @@ def json_case(draw: st.DrawFn, model: str) -> Case:
 
 
 @st.composite
-def raw_case(draw: st.DrawFn, model: str) -> Case:
-    path = draw(st.sampled_from(PATHS))
+def raw_case(draw: st.DrawFn, model: str, paths: Sequence[str] = PATHS) -> Case:
+    path = draw(st.sampled_from(paths))
     good = _dumps(good_body(path, model), True)
     kind = draw(st.sampled_from(["truncated", "bytes", "utf8", "nested", "content-type", "literal", "huge"]))
     if kind == "truncated":
@@ -326,11 +367,12 @@ def raw_case(draw: st.DrawFn, model: str) -> Case:
     return Case(kind, path, good[:-1] + b',"' + field + b'":' + lit + b"}")
 
 
-def cases_strategy(model: str) -> st.SearchStrategy[Case]:
-    return st.one_of(json_case(model), json_case(model), json_case(model), raw_case(model))
+def cases_strategy(model: str, paths: Sequence[str] = PATHS) -> st.SearchStrategy[Case]:
+    return st.one_of(json_case(model, paths), json_case(model, paths), json_case(model, paths),
+                     raw_case(model, paths))
 
 
-def draw_cases(model: str, n: int, seed: int) -> list[Case]:
+def draw_cases(model: str, n: int, seed: int, paths: Sequence[str] = PATHS) -> list[Case]:
     """``n`` distinct cases, the same for the same seed. Hypothesis repeats itself now and then
     (minimal examples, mutations of earlier ones), so it draws a third more and tops up if needed."""
     out: dict[tuple[str, bytes, str | None], Case] = {}
@@ -341,7 +383,7 @@ def draw_cases(model: str, n: int, seed: int) -> list[Case]:
         @settings(max_examples=want + want // 3 + 10, database=None, phases=[Phase.generate], deadline=None,
                   suppress_health_check=list(HealthCheck))
         @hyp_seed(seed + round_)
-        @given(cases_strategy(model))
+        @given(cases_strategy(model, paths))
         def collect(case: Case) -> None:
             out.setdefault((case.path, case.body, case.content_type), case)
 
@@ -451,6 +493,10 @@ def _judge_body(o: Outcome, body: Any) -> str | None:
     if o.case.path == MESSAGES:
         return None if body.get("type") == "message" and isinstance(body.get("content"), list) else \
             "200 without a message's content"
+    if o.case.path == EMBEDDINGS:
+        data = body.get("data")
+        return None if body.get("object") == "list" and isinstance(data, list) and data and all(
+            isinstance(d.get("embedding"), list | str) for d in data) else "200 without embeddings"
     return None if isinstance(body.get("choices"), list) else "200 without choices"
 
 
