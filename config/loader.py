@@ -334,6 +334,13 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         fail(f"pools.{_join([first])}.role", "an embed pool serves the model as an embedding model: the "
              "topology's other pools must be embed pools too (agg, prefill, decode and encode pools "
              "serve a generative model; run it as another deployment)")
+    if "embed" in roles and t.model is not None and t.model.text_mode:
+        fail("model.text_mode", "an embed pool's inputs are tokenized (and truncated) by the frontend, with "
+             "the model's tokenizer; model.text_mode keeps it off the frontend")
+    if "embed" in roles and t.planner.enabled:
+        # its profiles and load model are about prompt and output tokens (TTFT, ITL); an embedding
+        # has neither an output nor a first token
+        fail("planner.enabled", "the planner does not scale embed pools: turn it off for an embedding model")
 
     if t.planner.enabled:
         _check_planner(t, fail, token, positive)
