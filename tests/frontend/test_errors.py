@@ -50,7 +50,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("body-too-large", COMPL, {"model": MODEL, "prompt": "x" * 5000}, 413, "limit"),
     ("client-kv-transfer-params", COMPL, {"model": MODEL, "prompt": "x",
                                           "kv_transfer_params": {"a": 1}}, 400, "kv_transfer_params"),
-    ("unknown-route", "/v1/embeddings", {"model": MODEL}, 404, None),
+    ("unknown-route", "/v1/audio/transcriptions", {"model": MODEL}, 404, None),
     ("pinned-unknown-worker", COMPL, {"model": MODEL, "prompt": "x", "max_tokens": 1}, 404, "nosuch"),
 ]
 
