@@ -59,6 +59,11 @@ ENDPOINT = "embeddings"  # the metrics' endpoint label
 # inputs of one request in flight at once: a 2048-input batch must not take every worker slot
 # from the other clients' requests (the workers' own semaphores bound the rest)
 MAX_PARALLEL_INPUTS = 64
+# inputs of one request: OpenAI's limit. vllm serve sets none, but an 8 MiB body of one-token
+# inputs is two million of them, each a worker request and a vector in one JSON answer
+MAX_INPUTS = 2048
+# a body this large is tokenized off the event loop (other requests' chunks keep flowing)
+_INLINE_BODY = 64 << 10
 # vLLM's request model is a union (text/token inputs, or chats); one adapter, built once
 _REQUEST = pydantic.TypeAdapter(EmbeddingRequest)
 # what the fingerprint of an embedding input holds besides its ids: never a sampling (a constant)
@@ -101,7 +106,9 @@ def parse_embedding(body: bytes) -> EmbeddingCompletionRequest:
         # is the one a text or token input got wrong (validate_json raises it as a 400)
         validate_json(EmbeddingCompletionRequest, body)
         if isinstance(e, TypeError | AttributeError):
-            raise
+            # one of vLLM's "before" validators read a field before its type was checked (a chat
+            # member's messages): the input's fault, as openai_io treats the chat model's
+            raise BadRequest(f"invalid request: {e}") from None
         raise as_bad_request(e) from None
     if not isinstance(req, EmbeddingCompletionRequest):
         raise BadRequest("chat inputs (messages) are not supported on /v1/embeddings here: send text or "
@@ -154,6 +161,9 @@ def plan_embedding(req: EmbeddingCompletionRequest, entry: ModelEntry, name: str
         items = list(raw)  # type: ignore[arg-type]
     if not items:
         raise BadRequest("You must pass at least one prompt", param="input")
+    if len(items) > MAX_INPUTS:
+        raise BadRequest(f"input holds {len(items)} inputs; at most {MAX_INPUTS} are embedded in one request",
+                         param="input")
     limits = card_limits(card)
     prompts: list[list[int]] = []
     for item in items:
@@ -239,7 +249,9 @@ class EmbeddingService:
             entry, _lora, name = resolve(self.workers, req.model, self.expected)
             model = entry.name
             series = m.model(model)
-            plan = plan_embedding(req, entry, name, await self.preprocessors.get(entry))
+            pre = await self.preprocessors.get(entry)
+            plan = plan_embedding(req, entry, name, pre) if len(body) < _INLINE_BODY \
+                else await asyncio.to_thread(plan_embedding, req, entry, name, pre)
             for ids in plan.prompts:
                 series.input_tokens.observe(len(ids))
             series.inflight.inc()
@@ -272,25 +284,26 @@ class EmbeddingService:
                         on_quarantine: Callable[[], None] | None = None) -> tuple[list[EmbedReply], list[str]]:
         """Every input's embedding, in input order, with the instance that served each. The first
         input that fails for good fails the request, and the others' requests are cancelled."""
-        gate = asyncio.Semaphore(MAX_PARALLEL_INPUTS)
         inputs = [_Input(i, ids) for i, ids in enumerate(plan.prompts)]
-
-        async def one(inp: _Input) -> EmbedReply:
-            async with gate:
-                return await self._embed_one(plan, inp, target, on_migrate, on_quarantine)
-
         if len(inputs) == 1:  # the common case: no task
-            replies = [await one(inputs[0])]
-        else:
-            tasks = [asyncio.ensure_future(one(inp)) for inp in inputs]
-            try:
-                replies = list(await asyncio.gather(*tasks))
-            finally:
-                # a failure (or the client leaving) stops the rest; cancelling a finished task is a no-op
-                for t in tasks:
-                    t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-        return replies, [inp.worker or "" for inp in inputs]
+            reply = await self._embed_one(plan, inputs[0], target, on_migrate, on_quarantine)
+            return [reply], [inputs[0].worker or ""]
+        replies: list[EmbedReply | None] = [None] * len(inputs)
+        todo = iter(inputs)
+
+        async def runner() -> None:  # MAX_PARALLEL_INPUTS of these share the inputs, in order
+            for inp in todo:
+                replies[inp.index] = await self._embed_one(plan, inp, target, on_migrate, on_quarantine)
+
+        tasks = [asyncio.ensure_future(runner()) for _ in range(min(len(inputs), MAX_PARALLEL_INPUTS))]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            # a failure (or the client leaving) stops the rest; cancelling a finished task is a no-op
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return [r for r in replies if r is not None], [inp.worker or "" for inp in inputs]
 
     def _settings(self, entry: ModelEntry) -> tuple[int, float]:
         mc = self.model_config if self.model_config and self.model_config.name == entry.name else None

@@ -160,6 +160,8 @@ def explicit_embedding_cases(model: str) -> list[Case]:
         Case("issue:embed-truncate-1", EMBEDDINGS, emb(input="hi there", truncate_prompt_tokens=1), expect=200),
         Case("issue:embed-normalize", EMBEDDINGS, emb(input="hi", normalize=True), expect=400),
         Case("issue:embed-bytes", EMBEDDINGS, emb(input="hi", encoding_format="bytes"), expect=400),
+        Case("issue:embed-2049-inputs", EMBEDDINGS, emb(input=[[1]] * 2049), expect=400),
+        Case("issue:embed-2048-inputs", EMBEDDINGS, emb(input=[[1, 2]] * 2048), expect=200),
         Case("issue:embed-messages", EMBEDDINGS, emb(messages=[{"role": "user", "content": "hi"}]), expect=400),
         Case("issue:embed-chat-on-embed-model", CHAT, json.dumps({"model": model, "max_tokens": 4, "messages": [
             {"role": "user", "content": "hi"}]}).encode(), expect=400),

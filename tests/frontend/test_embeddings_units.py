@@ -102,7 +102,8 @@ def test_plan_checks_as_vllm_serve(pre: Preprocessor) -> None:
              b'{"input": [1, 2], "truncate_prompt_tokens": 65}': "cannot be greater than max_model_len",
              b'{"input": [[1]], "encoding_format": "bytes"}': "encoding_format",
              b'{"input": []}': "at least one prompt",
-             b'{"input": [1, 2048]}': "out of vocabulary"}
+             b'{"input": [1, 2048]}': "out of vocabulary",
+             b'{"input": [' + b"[1]," * 2048 + b'[1]]}': "at most 2048"}
     for body, words in cases.items():
         with pytest.raises(BadRequest, match=words):
             plan_embedding(parse_embedding(body), embed, "m", pre)
