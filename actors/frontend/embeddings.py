@@ -13,8 +13,9 @@ liveness question, wait for a worker and quarantine. A client that leaves cancel
 requests, and each worker still running one is told to abort it.
 
 The response is vLLM's shape (``EmbeddingResponse``): ``float`` lists, or ``base64`` of the
-embedding's bytes in ``embed_dtype`` and ``endianness`` (vLLM's ``tensor2binary``). Workers send
-little-endian float32 bytes, which already are the default base64 payload.
+embedding's bytes in ``embed_dtype`` and ``endianness`` (vLLM's ``tensor2binary``); ``bytes`` and
+``bytes_only`` are those bytes back to back as the body (``bytes``: a ``metadata`` header says where
+each one is). Workers send little-endian float32 bytes, which already are the default payload.
 """
 
 from __future__ import annotations
@@ -138,9 +139,6 @@ def plan_embedding(req: EmbeddingCompletionRequest, entry: ModelEntry, name: str
     if pre is None:
         raise BadRequest(f"model {entry.name} runs in text mode: /v1/embeddings needs the frontend's "
                          "tokenizer (unset model.text_mode)", param="input")
-    if req.encoding_format not in ("float", "base64"):
-        raise BadRequest(f"encoding_format {req.encoding_format!r} is not supported here: use \"float\" or "
-                         "\"base64\"", param="encoding_format")
     card = entry.card
     model = _CardModel(served_model_name=entry.name, max_model_len=card.context_length,
                        embedding_size=card.embedding_size or 0, is_matryoshka=card.is_matryoshka,
@@ -195,18 +193,40 @@ def shape_response(plan: EmbedPlan, replies: Sequence[EmbedReply], created: int 
                       "prompt_tokens_details": None}}
 
 
-def _encoded(plan: EmbedPlan, raw: bytes) -> list[float] | str:
-    vec = np.frombuffer(raw, dtype="<f4")
-    if plan.encoding_format == "float":
-        return vec.tolist()
+def binary_response(plan: EmbedPlan, replies: Sequence[EmbedReply], created: int | None = None
+                    ) -> tuple[bytes, dict[str, str]]:
+    """``encoding_format`` "bytes" (the embeddings back to back, what each is in a ``metadata``
+    header) or "bytes_only" (no header), as vLLM's ``build_pooling_bytes_streaming_response``."""
+    chunks = [_binary(plan, r.embedding) for r in replies]
+    if plan.encoding_format == "bytes_only":
+        return b"".join(chunks), {}
+    items, offset = [], 0
+    for i, (chunk, r) in enumerate(zip(chunks, replies, strict=True)):
+        items.append({"index": i, "embed_dtype": plan.embed_dtype, "endianness": plan.endianness,
+                      "start": offset, "end": offset + len(chunk), "shape": [len(r.embedding) // 4]})
+        offset += len(chunk)
+    tokens = sum(r.prompt_tokens for r in replies)
+    meta = {"id": plan.request_id, "created": created or int(time.time()), "model": plan.model, "data": items,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+    return b"".join(chunks), {"metadata": encode_json(meta).decode()}
+
+
+def _binary(plan: EmbedPlan, raw: bytes) -> bytes:
+    """One embedding in the request's ``embed_dtype`` and ``endianness`` (vLLM's tensor2binary)."""
     if plan.embed_dtype == "float32" and (plan.endianness == "little"
                                           or (plan.endianness == "native" and sys.byteorder == "little")):
-        return base64.b64encode(raw).decode()  # the worker's bytes are this encoding already
+        return raw  # the worker's bytes are this encoding already
     import torch
     from vllm.utils.serial_utils import tensor2binary
 
-    tensor = torch.from_numpy(vec.astype(np.float32))
-    return base64.b64encode(tensor2binary(tensor, plan.embed_dtype, plan.endianness)).decode()  # type: ignore[arg-type]
+    tensor = torch.from_numpy(np.frombuffer(raw, dtype="<f4").astype(np.float32))
+    return tensor2binary(tensor, plan.embed_dtype, plan.endianness)  # type: ignore[arg-type]
+
+
+def _encoded(plan: EmbedPlan, raw: bytes) -> list[float] | str:
+    if plan.encoding_format == "float":
+        return np.frombuffer(raw, dtype="<f4").tolist()
+    return base64.b64encode(_binary(plan, raw)).decode()
 
 
 @dataclass
@@ -264,6 +284,9 @@ class EmbeddingService:
             series.duration.observe(time.perf_counter() - t0)
             status = 200
             headers = {WORKER_HEADER: ",".join(dict.fromkeys(served))}
+            if plan.encoding_format in ("bytes", "bytes_only"):
+                body, meta = binary_response(plan, replies)
+                return web.Response(body=body, content_type="application/octet-stream", headers={**headers, **meta})
             return web.Response(body=encode_json(shape_response(plan, replies)), content_type="application/json",
                                 headers=headers)
         except ActorError as e:

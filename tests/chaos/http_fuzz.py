@@ -159,7 +159,9 @@ def explicit_embedding_cases(model: str) -> list[Case]:
         Case("issue:embed-truncate-2**63", EMBEDDINGS, emb(input="hi", truncate_prompt_tokens=2**63), expect=400),
         Case("issue:embed-truncate-1", EMBEDDINGS, emb(input="hi there", truncate_prompt_tokens=1), expect=200),
         Case("issue:embed-normalize", EMBEDDINGS, emb(input="hi", normalize=True), expect=400),
-        Case("issue:embed-bytes", EMBEDDINGS, emb(input="hi", encoding_format="bytes"), expect=400),
+        Case("issue:embed-bytes", EMBEDDINGS, emb(input=["hi", "there"], encoding_format="bytes"), expect=200),
+        Case("issue:embed-bytes-only", EMBEDDINGS, emb(input=[[1, 2]], encoding_format="bytes_only",
+                                                        embed_dtype="bfloat16"), expect=200),
         Case("issue:embed-2049-inputs", EMBEDDINGS, emb(input=[[1]] * 2049), expect=400),
         Case("issue:embed-2048-inputs", EMBEDDINGS, emb(input=[[1, 2]] * 2048), expect=200),
         Case("issue:embed-messages", EMBEDDINGS, emb(messages=[{"role": "user", "content": "hi"}]), expect=400),
@@ -522,6 +524,8 @@ def judge(o: Outcome) -> str | None:
         return None if openai_error_shape(body) else "error body is not OpenAI-shaped"
     if o.content_type.startswith("text/event-stream"):
         return _judge_stream(o)
+    if o.content_type.startswith("application/octet-stream"):  # /v1/embeddings' bytes formats
+        return None if o.case.path == EMBEDDINGS and o.body else "binary 200 without embeddings"
     try:
         body = json.loads(o.body)
     except ValueError:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import os
 import signal
 import time
@@ -105,6 +106,17 @@ class TestMockerEmbeddings:
         # the openai client's own default (base64, decoded by the client into floats)
         default = c.embeddings.create(model=MODEL, input=texts)
         assert [np.asarray(d.embedding, dtype=np.float32).tolist() for d in default.data] == [v.tolist() for v in fv]
+
+    def test_bytes_format(self, emb: Deployment) -> None:
+        texts = ["the sea", "waves"]
+        want = [vec(d) for d in client(emb).embeddings.create(model=MODEL, input=texts, encoding_format="float").data]
+        r = httpx.post(f"{emb.url}/v1/embeddings", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                       json={"model": MODEL, "input": texts, "encoding_format": "bytes"})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/octet-stream")
+        meta = json.loads(r.headers["metadata"])
+        assert meta["usage"]["prompt_tokens"] > 0 and [d["index"] for d in meta["data"]] == [0, 1]
+        for d, w in zip(meta["data"], want, strict=True):
+            assert d["shape"] == [HIDDEN] and np.array_equal(np.frombuffer(r.content[d["start"]:d["end"]], "<f4"), w)
 
     def test_token_inputs_usage_and_truncation(self, emb: Deployment) -> None:
         c = client(emb)

@@ -6,17 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from vllm.entrypoints.pooling.utils import MetadataItem, decode_pooling_output
 from vllm.utils.serial_utils import tensor2binary
 
 from actors.engines.mocker.engine import MockerEngine
 from actors.engines.protocol import EncodeFailed, EngineDeadError
 from actors.frontend.discovery import ModelEntry
-from actors.frontend.embeddings import EmbedPlan, parse_embedding, plan_embedding, shape_response
+from actors.frontend.embeddings import (
+    EmbedPlan,
+    binary_response,
+    parse_embedding,
+    plan_embedding,
+    shape_response,
+)
 from actors.frontend.preprocess import Preprocessor
 from actors.instances.contract import ModelCard
 from actors.models.tiny import resolve_model_path
@@ -100,7 +108,7 @@ def test_plan_checks_as_vllm_serve(pre: Preprocessor) -> None:
     assert plan.prompts == [[5, 6]]
     cases = {b'{"input": "x", "dimensions": 4}': "does not support Matryoshka",
              b'{"input": [1, 2], "truncate_prompt_tokens": 65}': "cannot be greater than max_model_len",
-             b'{"input": [[1]], "encoding_format": "bytes"}': "encoding_format",
+             b'{"input": [[1]], "encoding_format": "hex"}': "encoding_format",
              b'{"input": []}': "at least one prompt",
              b'{"input": [1, 2048]}': "out of vocabulary",
              b'{"input": [' + b"[1]," * 2048 + b'[1]]}': "at most 2048"}
@@ -133,3 +141,21 @@ def test_base64_is_vllms_encoding(dtype: str, endianness: str) -> None:
     assert body["data"][0]["embedding"] == want
     assert body["usage"] == {"prompt_tokens": 1, "total_tokens": 1, "completion_tokens": 0,
                              "prompt_tokens_details": None}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bytes_are_vllms_layout(dtype: str) -> None:
+    rng = np.random.default_rng(1)
+    vecs = [rng.standard_normal(16).astype("<f4") for _ in range(3)]
+    entry = ModelEntry("m", {"embed": _card("embed", embedding_size=16)})
+    plan = EmbedPlan(entry=entry, model="m", prompts=[[1], [2], [3]], dimensions=None, use_activation=None,
+                     encoding_format="bytes", embed_dtype=dtype, endianness="big")
+    body, headers = binary_response(plan, [EmbedReply(embedding=v.tobytes(), prompt_tokens=2) for v in vecs])
+    meta = json.loads(headers["metadata"])
+    assert meta["usage"] == {"prompt_tokens": 6, "total_tokens": 6} and meta["model"] == "m"
+    got = decode_pooling_output([MetadataItem(**{**d, "shape": tuple(d["shape"])}) for d in meta["data"]], body)
+    for v, t in zip(vecs, got, strict=True):  # vLLM's own decoder reads them back
+        assert torch.allclose(t.float(), torch.from_numpy(v), atol=1e-2)
+    plan.encoding_format = "bytes_only"
+    only, no_headers = binary_response(plan, [EmbedReply(embedding=v.tobytes(), prompt_tokens=2) for v in vecs])
+    assert only == body and no_headers == {}
