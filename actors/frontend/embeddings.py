@@ -1,4 +1,5 @@
-"""POST /v1/embeddings: vLLM's request model, the frontend's tokenizer, one worker request per input.
+"""POST /v1/embeddings: vLLM's request model, the frontend's tokenizer, one worker request per input
+(a text, a token-id list, or a chat rendered with the model's chat template).
 
 The request is validated with vLLM's own ``EmbeddingRequest`` (so fields and 400s match
 ``vllm serve``); ``dimensions`` is checked with vLLM's ``PoolingParams.verify`` and the inputs are
@@ -34,7 +35,12 @@ import numpy as np
 import pydantic
 from aiohttp import web
 from vllm import PoolingParams
-from vllm.entrypoints.pooling.embed.protocol import EmbeddingCompletionRequest, EmbeddingRequest
+from vllm.entrypoints.pooling.embed.protocol import (
+    EmbeddingBatchChatRequest,
+    EmbeddingChatRequest,
+    EmbeddingCompletionRequest,
+    EmbeddingRequest,
+)
 from vllm.exceptions import VLLMValidationError
 
 from actors.engines.protocol import SamplingOptions
@@ -46,8 +52,9 @@ from .completion_flow import MIGRATABLE, BusUnavailable, Liveness, MigrationExha
 from .discovery import ModelEntry, Worker, WorkerSet
 from .http_guard import read_body
 from .limits import card_limits, check_prompt
+from .media import has_media
 from .metrics import FrontendMetrics
-from .openai_io import as_bad_request, encode_json, validate_json
+from .openai_io import as_bad_request, check_request_template, encode_json, validate_json
 from .planning import resolve
 from .preprocess import ModelPreprocessors, Preprocessor
 from .quarantine import DEATHS_TO_QUARANTINE, Quarantine, fingerprint
@@ -97,24 +104,25 @@ class _CardModel:
     encoder_config: None = None
 
 
-def parse_embedding(body: bytes) -> EmbeddingCompletionRequest:
-    """``body`` as vLLM's EmbeddingRequest; a 400 naming the field otherwise. Chat-style inputs
-    (``messages``, or chats as ``input``) are refused: only text and token inputs are served."""
+EmbedInput = EmbeddingCompletionRequest | EmbeddingChatRequest | EmbeddingBatchChatRequest
+
+
+def parse_embedding(body: bytes) -> EmbedInput:
+    """``body`` as vLLM's EmbeddingRequest (text or token inputs; a chat, or a list of chats, in
+    ``messages`` or ``input``); a 400 naming the field otherwise."""
     try:
         req = _REQUEST.validate_json(body)
     except (pydantic.ValidationError, ValueError, VLLMValidationError, TypeError, AttributeError) as e:
-        # the union's errors name every member it tried; the completion-style member's own error
-        # is the one a text or token input got wrong (validate_json raises it as a 400)
-        validate_json(EmbeddingCompletionRequest, body)
+        # the union's errors name every member it tried; the member the body meant (a chat when
+        # it has messages, else text or token inputs) says what it got wrong (validate_json
+        # raises that as a 400)
+        validate_json(EmbeddingChatRequest if b'"messages"' in body else EmbeddingCompletionRequest, body)
         if isinstance(e, TypeError | AttributeError):
             # one of vLLM's "before" validators read a field before its type was checked (a chat
             # member's messages): the input's fault, as openai_io treats the chat model's
             raise BadRequest(f"invalid request: {e}") from None
         raise as_bad_request(e) from None
-    if not isinstance(req, EmbeddingCompletionRequest):
-        raise BadRequest("chat inputs (messages) are not supported on /v1/embeddings here: send text or "
-                         "token ids as input", param="messages")
-    return req
+    return req  # type: ignore[no-any-return]
 
 
 @dataclass
@@ -130,9 +138,11 @@ class EmbedPlan:
     request_id: str = field(default_factory=lambda: f"embd-{uuid.uuid4().hex}")
 
 
-def plan_embedding(req: EmbeddingCompletionRequest, entry: ModelEntry, name: str,
-                   pre: Preprocessor | None) -> EmbedPlan:
-    """The inputs as token ids, checked as vllm serve checks them (no NATS, no HTTP)."""
+def plan_embedding(req: EmbedInput, entry: ModelEntry, name: str, pre: Preprocessor | None,
+                   trust_request_chat_template: bool = False) -> EmbedPlan:
+    """The inputs as token ids, checked as vllm serve checks them (no NATS, no HTTP). A chat is
+    rendered with the model's chat template (or the request's own, where the topology trusts
+    request templates) and embedded as one prompt."""
     if not entry.embeds:
         raise BadRequest(f"The model does not support Embeddings API (model {entry.name} generates: its "
                          "pools are not embed pools)", param="model")
@@ -149,14 +159,19 @@ def plan_embedding(req: EmbeddingCompletionRequest, entry: ModelEntry, name: str
         tok = req.build_tok_params(model)  # type: ignore[arg-type]
     except (ValueError, VLLMValidationError) as e:
         raise as_bad_request(e) from None
-    raw = req.input
     items: list[str | list[int]]
-    if isinstance(raw, str):
-        items = [raw]
-    elif raw and all(isinstance(t, int) for t in raw):
-        items = [list(raw)]  # type: ignore[arg-type]
+    if isinstance(req, EmbeddingCompletionRequest):
+        raw = req.input
+        if isinstance(raw, str):
+            items = [raw]
+        elif raw and all(isinstance(t, int) for t in raw):
+            items = [list(raw)]  # type: ignore[arg-type]
+        else:
+            items = list(raw)  # type: ignore[arg-type]
     else:
-        items = list(raw)  # type: ignore[arg-type]
+        check_request_template(req.chat_template, trust_request_chat_template)
+        chats = [req.messages] if isinstance(req, EmbeddingChatRequest) else list(req.messages)
+        items = [_render(pre, req, list(chat)) for chat in chats]
     if not items:
         raise BadRequest("You must pass at least one prompt", param="input")
     if len(items) > MAX_INPUTS:
@@ -180,6 +195,18 @@ def plan_embedding(req: EmbeddingCompletionRequest, entry: ModelEntry, name: str
     return EmbedPlan(entry=entry, model=name, prompts=prompts, dimensions=req.dimensions,
                      use_activation=req.use_activation, encoding_format=req.encoding_format,
                      embed_dtype=req.embed_dtype, endianness=req.endianness)
+
+
+def _render(pre: Preprocessor, req: EmbeddingChatRequest | EmbeddingBatchChatRequest,
+            messages: list[Any]) -> list[int]:
+    """A chat's prompt ids: rendered as a chat completion's prompt is, encoded with the request's
+    ``add_special_tokens`` (vLLM's chat default: false, the template writes them)."""
+    if has_media(messages):
+        raise BadRequest("only text chats are embedded here (no images)", param="messages")
+    text = pre.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message, chat_template=req.chat_template,
+                           template_kwargs=req.chat_template_kwargs)
+    return pre.encode(text, req.add_special_tokens)
 
 
 def shape_response(plan: EmbedPlan, replies: Sequence[EmbedReply], created: int | None = None) -> dict[str, Any]:
@@ -270,8 +297,9 @@ class EmbeddingService:
             model = entry.name
             series = m.model(model)
             pre = await self.preprocessors.get(entry)
-            plan = plan_embedding(req, entry, name, pre) if len(body) < _INLINE_BODY \
-                else await asyncio.to_thread(plan_embedding, req, entry, name, pre)
+            trusted = self.config.trust_request_chat_template
+            plan = plan_embedding(req, entry, name, pre, trusted) if len(body) < _INLINE_BODY \
+                else await asyncio.to_thread(plan_embedding, req, entry, name, pre, trusted)
             for ids in plan.prompts:
                 series.input_tokens.observe(len(ids))
             series.inflight.inc()

@@ -164,7 +164,11 @@ def explicit_embedding_cases(model: str) -> list[Case]:
                                                         embed_dtype="bfloat16"), expect=200),
         Case("issue:embed-2049-inputs", EMBEDDINGS, emb(input=[[1]] * 2049), expect=400),
         Case("issue:embed-2048-inputs", EMBEDDINGS, emb(input=[[1, 2]] * 2048), expect=200),
-        Case("issue:embed-messages", EMBEDDINGS, emb(messages=[{"role": "user", "content": "hi"}]), expect=400),
+        Case("issue:embed-messages", EMBEDDINGS, emb(messages=[{"role": "user", "content": "hi"}]), expect=200),
+        Case("issue:embed-chats-input", EMBEDDINGS, emb(input=[[{"role": "user", "content": "hi"}]] * 2), expect=200),
+        Case("issue:embed-messages-int", EMBEDDINGS, emb(messages=5), expect=400),
+        Case("issue:embed-messages-tool-calls", EMBEDDINGS, emb(messages=[{"role": "assistant", "tool_calls": 7}]),
+             expect=400),
         Case("issue:embed-chat-on-embed-model", CHAT, json.dumps({"model": model, "max_tokens": 4, "messages": [
             {"role": "user", "content": "hi"}]}).encode(), expect=400),
     ]
@@ -273,7 +277,9 @@ EMBEDDING_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "dimensions": ints, "truncate_prompt_tokens": ints, "truncation_side": st.sampled_from(["left", "right"]) | junk,
     "use_activation": st.booleans() | junk, "add_special_tokens": st.booleans() | junk, "user": strings,
     "priority": ints, "padding": st.sampled_from(["max_length", "do_not_pad"]) | junk,
-    "messages": junk, "task": junk, "cache_salt": strings, "request_id": strings,
+    "messages": st.lists(_message(), max_size=3) | junk, "task": junk, "cache_salt": strings,
+    "request_id": strings, "chat_template_kwargs": junk, "add_generation_prompt": st.booleans() | junk,
+    "continue_final_message": st.booleans() | junk,
 }
 COMPLETION_FIELDS: dict[str, st.SearchStrategy[Any]] = {
     **COMMON, "logprobs": ints | st.booleans(), "suffix": strings,

@@ -137,6 +137,24 @@ class TestMockerEmbeddings:
         last = c.embeddings.create(model=MODEL, input=[8, 9], encoding_format="float")
         assert np.array_equal(vec(left.data[0]), vec(last.data[0]))
 
+    def test_chat_inputs_embed_their_rendered_prompt(self, emb: Deployment) -> None:
+        chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the sea"}]
+        status, _, text = post(f"{emb.url}/tokenize", {"model": MODEL, "messages": chat,
+                                                      "add_generation_prompt": False},
+                               headers={"Authorization": f"Bearer {KEY}"})
+        assert status == 200, text
+        ids = json.loads(text)["tokens"]
+        c = client(emb)
+        want = vec(c.embeddings.create(model=MODEL, input=ids, encoding_format="float").data[0])
+        one = c.embeddings.create(model=MODEL, input=[], encoding_format="float",  # the client needs an input
+                                  extra_body={"messages": chat, "input": None})
+        assert np.array_equal(vec(one.data[0]), want) and one.usage.prompt_tokens == len(ids)
+        status, _, text = raw_post(emb, {"model": MODEL, "input": [chat, chat[1:]], "encoding_format": "float"})
+        assert status == 200, text
+        both = json.loads(text)["data"]
+        assert np.array_equal(np.asarray(both[0]["embedding"], dtype=np.float32), want)
+        assert not np.array_equal(np.asarray(both[1]["embedding"], dtype=np.float32), want)
+
     def test_inputs_spread_over_both_workers(self, emb: Deployment) -> None:
         c = client(emb)
         raw = c.embeddings.with_raw_response.create(model=MODEL, input=[f"input {i}" for i in range(8)],
@@ -155,7 +173,12 @@ class TestMockerEmbeddings:
             ({"model": MODEL, "input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
             ({"model": MODEL, "input": {"a": 1}}, 400, "input"),
             ({"model": MODEL, "input": "x", "normalize": True}, 400, "use_activation"),
-            ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, 400, "messages"),
+            ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 }}"}, 400,
+             "trust_request_chat_template"),
+            ({"model": MODEL, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, 400, "images"),
+            ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": True,
+              "continue_final_message": True}, 400, "continue_final_message"),
             ({"model": "nope", "input": "x"}, 404, "does not exist"),
         ]
         for body, code, words in cases:

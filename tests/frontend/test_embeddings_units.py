@@ -159,3 +159,17 @@ def test_bytes_are_vllms_layout(dtype: str) -> None:
     plan.encoding_format = "bytes_only"
     only, no_headers = binary_response(plan, [EmbedReply(embedding=v.tobytes(), prompt_tokens=2) for v in vecs])
     assert only == body and no_headers == {}
+
+
+def test_chat_inputs_are_rendered_as_a_chat_prompt(pre: Preprocessor) -> None:
+    embed = ModelEntry("m", {"embed": _card("embed", embedding_size=32)})
+    chat = [{"role": "user", "content": "the sea"}]
+    want = pre.encode(pre.render_chat(chat, add_generation_prompt=False), False)
+    one = plan_embedding(parse_embedding(json.dumps({"messages": chat}).encode()), embed, "m", pre)
+    assert one.prompts == [want]
+    two = plan_embedding(parse_embedding(json.dumps({"input": [chat, chat]}).encode()), embed, "m", pre)
+    assert two.prompts == [want, want]
+    own = json.dumps({"messages": chat, "chat_template": "{{ messages[0]['content'] }}"}).encode()
+    with pytest.raises(BadRequest, match="trust_request_chat_template"):
+        plan_embedding(parse_embedding(own), embed, "m", pre)
+    assert plan_embedding(parse_embedding(own), embed, "m", pre, True).prompts == [pre.encode("the sea", False)]
