@@ -293,7 +293,9 @@ class EmbeddingService:
         status = 500
         try:
             req = parse_embedding(body)
-            entry, _lora, name = resolve(self.workers, req.model, self.expected)
+            entry, lora, name = resolve(self.workers, req.model, self.expected)
+            if lora is not None:  # an embed worker loads no adapters: the base model's vector would be a lie
+                raise BadRequest(f"{name} is a LoRA adapter: embeddings come from base models only", param="model")
             model = entry.name
             series = m.model(model)
             pre = await self.preprocessors.get(entry)
