@@ -295,7 +295,7 @@ class VllmEngine(Engine):
         finally:
             await stream.aclose()  # a consumer that stopped early aborts the request in vLLM
         data = getattr(getattr(last, "outputs", None), "data", None)
-        if data is None:
+        if data is None or data.numel() == 0:  # vLLM ends an aborted pooling request with an empty tensor
             raise EncodeFailed(f"embedding {request_id} ended without an output (aborted)")
         return data.to("cpu").float().numpy().astype("<f4").tobytes()
 
