@@ -99,6 +99,18 @@ class Subjects:
     def planner_decision(self) -> str:
         return f"{self.ns}.planner.decision"
 
+    # cold models: a frontend holding requests for a model no worker serves asks for it here (once
+    # per cold period); the waker of the pools (or the planner) answers what it did on the outcome
+    def wake_demand(self) -> str:
+        return f"{self.ns}.wake.demand"
+
+    def wake_outcome(self) -> str:
+        return f"{self.ns}.wake.outcome"
+
+    # a root's waker: its micro-service verbs (status)
+    def waker(self, host: str, verb: str) -> str:
+        return f"{self.ns}.waker.{check_token(host)}.{check_token(verb)}"
+
     # supervisors
     def supervisor(self, host: str, verb: str) -> str:
         return f"{self.ns}.supervisor.{check_token(host)}.{verb}"

@@ -312,6 +312,9 @@ def _check(t: Topology, file: str, overridden: set[str]) -> None:
         if r.max_entry_bytes > r.max_bytes:
             fail("frontend.responses.max_entry_bytes", f"expected at most max_bytes ({r.max_bytes}), "
                  f"got {r.max_entry_bytes}")
+        cold = t.frontend.cold
+        for key in ("wake_timeout", "max_held", "keepalive"):
+            positive(f"frontend.cold.{key}", getattr(cold, key))
 
     for name, pool in t.pools.items():
         _check_pool(name, pool, t, fail, token, port, positive)
@@ -485,6 +488,15 @@ def _check_pool(name: str, pool: PoolConfig, t: Topology, fail: Any, token: Any,
     if pool.sleep.level not in (1, 2):
         fail(f"{key}.sleep.level", f"expected 1 or 2, got {pool.sleep.level}")
     positive(f"{key}.sleep.idle_timeout", pool.sleep.idle_timeout)
+    positive(f"{key}.sleep.idle_stop", pool.sleep.idle_stop)
+    pl = t.planner
+    if pool.sleep.idle_stop is not None and pl.enabled and pl.scales(name, pool):
+        pp = pl.pools.get(name)
+        lo = pl.min_replicas if pp is None or pp.min_replicas is None else pp.min_replicas
+        if lo > 0:
+            fail(f"{key}.sleep.idle_stop", f"the planner keeps this pool at {lo} replica(s) or more "
+                 f"and would start again what idle_stop removes: set planner.pools.{_join([name])}"
+                 ".min_replicas = 0 (or planner.min_replicas = 0)")
     positive(f"{key}.health.interval", pool.health.interval)
     positive(f"{key}.health.timeout", pool.health.timeout)
     for env_key in pool.env:
@@ -521,8 +533,8 @@ def _check_planner(t: Topology, fail: Any, token: Any, positive: Any) -> None:
     positive("planner.interval", pl.interval)
     positive("planner.ttft_target_ms", pl.ttft_target_ms)
     positive("planner.itl_target_ms", pl.itl_target_ms)
-    if pl.min_replicas < 1:
-        fail("planner.min_replicas", f"expected int >= 1, got {pl.min_replicas}")
+    if pl.min_replicas < 0:
+        fail("planner.min_replicas", f"expected int >= 0, got {pl.min_replicas}")
     if pl.budget < 1:
         fail("planner.budget", f"expected int >= 1, got {pl.budget}")
     if pl.history < 2:
@@ -539,8 +551,8 @@ def _check_planner(t: Topology, fail: Any, token: Any, positive: Any) -> None:
         if name not in t.pools:
             fail(f"planner.pools.{name}", f"no pool {name!r} in [pools] (pools: {', '.join(t.pools)})")
         lo = pp.min_replicas if pp.min_replicas is not None else pl.min_replicas
-        if lo < 0 or (pp.managed and lo < 1):
-            fail(f"planner.pools.{name}.min_replicas", f"expected int >= 1, got {lo}")
+        if lo < 0:
+            fail(f"planner.pools.{name}.min_replicas", f"expected int >= 0, got {lo}")
         if pp.max_replicas is not None and pp.max_replicas < lo:
             fail(f"planner.pools.{name}.max_replicas", f"expected >= min_replicas ({lo}), got {pp.max_replicas}")
         if pp.engines_per_replica is not None and pp.engines_per_replica < 1:

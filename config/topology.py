@@ -185,6 +185,19 @@ class ResponsesConfig(_Strict):
     max_entry_bytes: int = 1 << 20
 
 
+class ColdConfig(_Strict):
+    """Requests for a cold model (every replica asleep, or its pools at zero replicas): held at the
+    frontend while a waker brings a replica back (actors.frontend.cold)."""
+
+    # seconds a held request waits for the model to serve; then 503 + Retry-After with the reason
+    wake_timeout: float = 120.0
+    # requests held per model and frontend process at once; more get 503 + Retry-After at once
+    max_held: int = 256
+    # seconds between SSE comments a held stream gets, so proxies do not cut it. The first one
+    # commits the response to 200: a wake that fails after it ends the stream with an error event
+    keepalive: float = 10.0
+
+
 class FrontendConfig(_Strict):
     enabled: bool = True
     http: str = "127.0.0.1:8000"
@@ -244,6 +257,7 @@ class FrontendConfig(_Strict):
     processes: int = 1
     media: MediaConfig = msgspec.field(default_factory=MediaConfig)
     responses: ResponsesConfig = msgspec.field(default_factory=ResponsesConfig)
+    cold: ColdConfig = msgspec.field(default_factory=ColdConfig)
 
 
 class HealthConfig(_Strict):
@@ -253,7 +267,13 @@ class HealthConfig(_Strict):
 
 
 class SleepConfig(_Strict):
+    """Going cold on purpose. Idle: no request in flight and none started or ended (health probes
+    do not count). A request for a cold pool wakes it (actors.planner.wake)."""
+
     idle_timeout: float | None = None  # auto-sleep after this many idle seconds
+    # remove a replica once idle this long (asleep or not): the pool can reach 0 replicas, and the
+    # first request spawns one again (a planner-managed pool: planner.pools.<p>.min_replicas = 0)
+    idle_stop: float | None = None
     level: int = 1
     deeper_after: float | None = None  # escalate to level 2 after this many more seconds
     drain_timeout: float = 10.0

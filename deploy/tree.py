@@ -184,6 +184,7 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
                    + _planner_nodes(t, h, link, shares, planner_metrics))
         if t.echo and h in t.echo_hosts:
             inproc.append(_echo_node(t, h, link, multi=len(shares) > 1))
+    inproc += _waker_nodes(t, link, shares)
     inproc_sup = SupervisorConfig(strategy="rest_for_one", intensity=sup.intensity, period=sup.period,
                                   backoff=sup.backoff, shutdown_timeout=sup.shutdown_timeout,
                                   drain_timeout=sup.drain_timeout)
@@ -303,6 +304,27 @@ def _planner_nodes(t: Topology, host: str, link: BusLink, shares: list[str],
                  f"PlannerActor {mode} every {pl.effective_interval():g}s, TTFT {pl.ttft_target_ms:g} ms, "
                  f"ITL {pl.itl_target_ms:g} ms, budget {pl.budget} engines, profiles in {profile_dir(t)} "
                  f"(on {t.namespace}.planner.*)")]
+
+
+def _waker_nodes(t: Topology, link: BusLink, shares: list[str]) -> list[Node]:
+    """The waker of this process's pools (wake on demand, idle stop), unless a planner runs: it
+    keeps every pool itself, so a wake and its own scaling never race."""
+    if t.planner.enabled:
+        return []
+    pools = {name: p for name, p in t.pools.items() if p.host in shares}
+    if not pools:
+        return []
+
+    def start() -> Child:
+        from actors.planner.wake import KeptPool
+        from actors.planner.waker import WakerActor
+        return WakerActor(link.child_ctx(), pools={n: KeptPool.of(n, p, link.host) for n, p in pools.items()},
+                          model=t.model.name if t.model else None)
+
+    stops = [f"{n} after {p.sleep.idle_stop:g}s idle" for n, p in pools.items() if p.sleep.idle_stop]
+    return [Node(ChildSpec("waker", start, "permanent", t.supervisor.drain_timeout), "actor",
+                 f"WakerActor of pools {', '.join(pools)}: wakes a cold pool on demand "
+                 f"({t.namespace}.wake.demand); idle stop: {'; '.join(stops) or 'off'}")]
 
 
 # --- printing ------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from actors.base import Actor, Endpoint
 from actors.instances.watch import BucketWatch, watch_instances, watch_models
+from actors.planner.contract import Demand, WakeOutcome
 from actors.router.service import RouterEndpoints, RouterState
 from bus import codec, rpc
 from bus.addresses import split_hostport
@@ -35,13 +36,14 @@ from config.topology import FrontendConfig, ModelConfig, PoolConfig
 from . import metrics_merge
 from .app import FrontendApp
 from .client import WorkerClient
+from .cold import ColdGate
 from .confirm import InstanceConfirmer
 from .discovery import WorkerSet
 from .http_guard import GuardedSite
 from .kv_routing import KvPolicy
 from .metrics import FrontendMetrics
 from .observations import Observations
-from .readiness import PoolExpectation, Readiness
+from .readiness import PoolExpectation, Readiness, WakeState
 from .response_store import ResponseStore
 from .routing import Router, make_router
 from .shared_quarantine import SharedQuarantine
@@ -74,13 +76,17 @@ class FrontendActor(Actor):
             self.registry_ttl = registry_ttl
         decode_only = model_config.allow_decode_only if model_config is not None else True
         self.workers = WorkerSet(verify=True, decode_only=lambda _m: decode_only)
-        expected = [PoolExpectation(name, p.role, p.replicas, p.host) for name, p in (pools or {}).items()]
+        expected = [PoolExpectation(name, p.role, p.replicas, p.host, idle_stop=p.sleep.idle_stop is not None)
+                    for name, p in (pools or {}).items()]
         self.readiness = Readiness(model_config.name if model_config else None, expected,
-                                   decode_fallback=decode_only)
+                                   decode_fallback=decode_only, wake=self._wake_state)
         # roots whose children views say what a missing worker is doing (one per host)
         self.supervisor_hosts = supervisor_hosts or []
         self.on_status = on_status
-        self._children: tuple[float, dict[str, dict[str, Any]]] = (0.0, {})
+        # (when read, child id -> view, whether every root answered that time)
+        self._children: tuple[float, dict[str, dict[str, Any]], bool] = (0.0, {}, False)
+        self.cold: ColdGate | None = None
+        self._outcome_sub: Any = None
         self._last_ready: bool | None = None
         self._confirmer: InstanceConfirmer | None = None
         self.metrics = FrontendMetrics(observations=Observations(self.instance, self.model or None),
@@ -154,6 +160,10 @@ class FrontendActor(Actor):
                                response_store=store)
         if shared:
             self.app.process_name = self.instance
+        if model is not None:
+            self.cold = ColdGate(ws, self.config.cold, frontend=self.instance, is_cold=self._is_cold,
+                                 send=self._send_demand, metrics=self.metrics)
+            self.app.pipeline.cold = self.cold  # the app's build hands it to /v1/embeddings too
         self._site = GuardedSite(self.app.build(), self.config, self.metrics)
         # vLLM's request models read vllm.envs on every request (3 % of the frontend's CPU under load):
         # cache them, as vllm serve does once it has started; nothing changes them in this process
@@ -162,6 +172,9 @@ class FrontendActor(Actor):
         vllm.envs.enable_envs_cache()
         host, port = split_hostport(self.config.http)
         try:
+            if self.cold is not None:
+                self._outcome_sub = await self.bus.nc.subscribe(self.bus.subjects.wake_outcome(),
+                                                                cb=self._on_wake_outcome)
             if shared:
                 await self._share()
             self.port = await self._site.start(host, port, link=self.link)
@@ -199,6 +212,10 @@ class FrontendActor(Actor):
         await self._cleanup()
 
     async def _cleanup(self) -> None:
+        if self._outcome_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._outcome_sub.unsubscribe()
+            self._outcome_sub = None
         if self._scrape_sub is not None:
             with contextlib.suppress(Exception):
                 await self._scrape_sub.unsubscribe()
@@ -246,17 +263,51 @@ class FrontendActor(Actor):
             except Exception as e:  # noqa: BLE001 - a lost window is a gap the planner tolerates
                 log.debug("frontend window not published: %s", e)
 
+    # --- cold models ----------------------------------------------------------------------------------
+    def _wake_state(self, model: str) -> WakeState:
+        gate = self.cold
+        if gate is None:
+            return WakeState()
+        return WakeState(waking=gate.waking(model), failure=gate.failure(model))
+
+    async def _is_cold(self, model: str) -> str | None:
+        """What readiness says is cold of ``model`` ("sleep", "zero", both joined by "+"), or None."""
+        _ready, body = await self.health()
+        cold = body.get("cold") or {}
+        if body.get("status") != "cold" or cold.get("model") != model:
+            return None
+        return "+".join(sorted(set(cold.get("pools", {}).values()))) or "unknown"
+
+    async def _send_demand(self, demand: Demand) -> None:
+        await self.bus.nc.publish(self.bus.subjects.wake_demand(), codec.encode(demand),
+                                  headers=codec.headers_for(False))
+
+    async def _on_wake_outcome(self, msg: Any) -> None:
+        try:
+            outcome = codec.decode(msg.data, msg.headers, WakeOutcome)
+        except Exception as e:  # noqa: BLE001 - anyone on the bus can publish there
+            log.debug("bad wake outcome on %s: %s", msg.subject, e)
+            return
+        if self.cold is not None:
+            self.cold.on_outcome(outcome)
+
     # --- readiness ------------------------------------------------------------------------------------
     async def health(self, detail: bool = True) -> tuple[bool, dict[str, Any]]:
-        """/health: readiness from the registry, and (``detail``) what each missing worker is doing
-        from the supervisors (asked only while something is missing; cached for a second).
-        /v1/models needs only the verdict, which never depends on the supervisors' answers."""
-        ready, body = self.readiness.evaluate(self.workers, self._children[1])
+        """/health: readiness from the registry, and what each missing worker is doing from the
+        supervisors (asked only while something is missing; cached for a second). Without
+        ``detail`` (/v1/models) they are asked only while the model cannot be served, since
+        only their views tell a pool at zero replicas (cold) from a missing one."""
+        ready, body = self._evaluate()
+        pools = body.get("pools", {}).values()
         # a count that differs from the view read last: a replica was spawned or removed since
-        if detail and any(p["missing"] or p["ready"] != p["expected"] for p in body.get("pools", {}).values()):
+        if (detail and any(p["missing"] or p["ready"] != p["expected"] for p in pools)) or (
+                not detail and self.model and self.model not in self.workers.models):
             await self._refresh_children()
-            ready, body = self.readiness.evaluate(self.workers, self._children[1])
+            ready, body = self._evaluate()
         return ready, body
+
+    def _evaluate(self) -> tuple[bool, dict[str, Any]]:
+        return self.readiness.evaluate(self.workers, self._children[1], views_complete=self._children[2])
 
     async def _refresh_children(self) -> None:
         now = asyncio.get_running_loop().time()
@@ -280,13 +331,13 @@ class FrontendActor(Actor):
         if failed:
             # a supervisor that did not answer in time (a busy start-up): keep what it said last and
             # ask again on the next /health instead of caching "unknown" for a second
-            self._children = (self._children[0], {**self._children[1], **views})
+            self._children = (self._children[0], {**self._children[1], **views}, False)
         else:
-            self._children = (now, views)
+            self._children = (now, views, bool(self.supervisor_hosts))
 
     def _readiness_changed(self) -> None:
         """Log (and report as sd_notify STATUS=) each change between serving and not serving."""
-        ready, body = self.readiness.evaluate(self.workers, self._children[1])
+        ready, body = self._evaluate()
         if ready == self._last_ready:
             return
         self._last_ready = ready

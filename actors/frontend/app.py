@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 _JSON = "application/json"
 
 
+def _cold_model(health: dict[str, Any]) -> str | None:
+    """The model /health reports cold (listed in /v1/models all the same)."""
+    return (health.get("cold") or {}).get("model") if health.get("status") == "cold" else None
+
+
 class Unauthorized(ActorError):
     code = 401
     kind = "authentication_error"
@@ -93,6 +98,7 @@ class FrontendApp:
                                            metrics=self.metrics, preprocessors=p.preprocessors,
                                            quarantine=p.deps.quarantine, expected=p.expected,
                                            model_config=p.model_config)
+        self.embeddings.cold = p.cold
         app.router.add_post(EMBEDDINGS_PATH, self.embeddings.handle)
         app.router.add_post(MESSAGES_PATH, self.messages)
         app.router.add_post(MESSAGES_PATH + "/count_tokens", self.count_tokens)
@@ -143,17 +149,19 @@ class FrontendApp:
 
     # --- info routes --------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        if not (await self._health(detail=False))[0]:
+        ready, body = await self._health(detail=False)
+        if not ready:
             # /health, /v1/models and READY=1 are three views of one fact: while the deployment is
             # not ready, nothing is listed (a request that can be served is still served)
             return _json({"object": "list", "data": []})
-        return _json({"object": "list", "data": self._model_objects()})
+        return _json({"object": "list", "data": self._model_objects(_cold_model(body))})
 
     async def model(self, request: web.Request) -> web.Response:
         """GET /v1/models/{id}: the object /v1/models lists for that id."""
         name = request.match_info["model"]
-        if (await self._health(detail=False))[0]:
-            for obj in self._model_objects():
+        ready, body = await self._health(detail=False)
+        if ready:
+            for obj in self._model_objects(_cold_model(body)):
                 if obj["id"] == name:
                     return _json(obj)
         # Not listed. While the deployment is not ready /v1/models lists nothing, and a model of
@@ -164,13 +172,21 @@ class FrontendApp:
         # servable now, but the deployment as a whole is not ready, so /v1/models does not list it
         raise NotReady(f"model {name} is not ready yet: the deployment is not ready (see /health)")
 
-    def _model_objects(self) -> list[dict[str, Any]]:
+    def _model_objects(self, cold: str | None = None) -> list[dict[str, Any]]:
+        """``cold``: the deployment's model when it is cold (listed: a request for it is held and
+        served), with the last card its workers wrote, or the topology's path if none was seen."""
         created = now()
         data: list[dict[str, Any]] = []
         for name, entry in sorted(self.workers.models.items()):
             data.append({"id": name, "object": "model", "created": created, "owned_by": "vllm-actors",
                          "root": entry.card.model_path, "parent": None,
                          "max_model_len": entry.card.context_length})
+        if cold is not None and cold not in self.workers.models:
+            card = self.workers.last_card(cold)
+            mc = self.pipeline.model_config
+            data.append({"id": cold, "object": "model", "created": created, "owned_by": "vllm-actors",
+                         "root": card.model_path if card else (mc.path if mc else cold), "parent": None,
+                         "max_model_len": card.context_length if card else None})
         for name, lora in sorted(self.workers.loras.items()):
             base = lora.get("model") or (next(iter(self.workers.models)) if len(self.workers.models) == 1
                                          else None)

@@ -87,6 +87,9 @@ class WorkerSet:
         self._records: dict[str, InstanceRecord] = {}
         self._confirmed: set[tuple[str, float]] = set()  # (instance, started_at) that answered
         self._cards: dict[str, ModelCard] = {}  # registry key → card (any pool, live or not)
+        # served name → the last card seen for it, kept after its key expires: a cold model (its
+        # pools at zero replicas, so nobody refreshes the card) is still listed with it
+        self._last_card: dict[str, ModelCard] = {}
         self.models: dict[str, ModelEntry] = {}  # servable now (derived)
         self._lora_keys: dict[str, tuple[str, str]] = {}  # registry key → (lora name, instance)
         self._lora_model: dict[str, str | None] = {}  # lora name → base model
@@ -138,7 +141,14 @@ class WorkerSet:
 
     def put_model(self, key: str, card: ModelCard) -> None:
         self._cards[key] = card
+        last = self._last_card.get(card.served_model_name)
+        if last is None or card.role not in ("prefill", "encode") or last.role in ("prefill", "encode"):
+            self._last_card[card.served_model_name] = card  # decode/agg cards speak for the model
         self._rebuild()
+
+    def last_card(self, name: str) -> ModelCard | None:
+        """The last card seen for model ``name``, even once no worker refreshes it."""
+        return self._last_card.get(name)
 
     def delete_model(self, key: str) -> None:
         if self._cards.pop(key, None) is not None:

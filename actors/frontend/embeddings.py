@@ -48,6 +48,7 @@ from actors.worker.contract import EmbedReply, EmbedRequest, EngineDead
 from bus.errors import ActorError, BadRequest, NotFound, Overloaded, RequestTimeout, Unavailable
 from config.topology import FrontendConfig, ModelConfig
 
+from .cold import ColdGate
 from .completion_flow import MIGRATABLE, BusUnavailable, Liveness, MigrationExhausted
 from .discovery import ModelEntry, Worker, WorkerSet
 from .http_guard import read_body
@@ -55,7 +56,7 @@ from .limits import card_limits, check_prompt
 from .media import has_media
 from .metrics import FrontendMetrics
 from .openai_io import as_bad_request, check_request_template, encode_json, validate_json
-from .planning import resolve
+from .planning import NotReady, resolve
 from .preprocess import ModelPreprocessors, Preprocessor
 from .quarantine import DEATHS_TO_QUARANTINE, Quarantine, fingerprint
 from .responses import WORKER_HEADER
@@ -283,6 +284,7 @@ class EmbeddingService:
         self.model_config = model_config
         self.load: dict[str, int] = {}  # instance -> embeddings this process has in flight on it
         self._turn = 0  # rotates the order among equally loaded workers
+        self.cold: ColdGate | None = None  # holds requests for a cold model (the frontend actor sets it)
 
     # --- HTTP ---------------------------------------------------------------------------------------
     async def handle(self, request: web.Request) -> web.Response:
@@ -293,7 +295,14 @@ class EmbeddingService:
         status = 500
         try:
             req = parse_embedding(body)
-            entry, lora, name = resolve(self.workers, req.model, self.expected)
+            try:
+                entry, lora, name = resolve(self.workers, req.model, self.expected)
+            except NotReady:
+                # a cold model: held until a replica is back (cold.ColdGate), as chat requests are
+                held = req.model or (next(iter(self.expected)) if len(self.expected) == 1 else None)
+                if self.cold is None or held not in self.expected or not await self.cold.hold(held):
+                    raise
+                entry, lora, name = resolve(self.workers, req.model, self.expected)
             if lora is not None:  # an embed worker loads no adapters: the base model's vector would be a lie
                 raise BadRequest(f"{name} is a LoRA adapter: embeddings come from base models only", param="model")
             model = entry.name

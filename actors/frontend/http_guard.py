@@ -80,8 +80,8 @@ class Phase(enum.Enum):
 
 
 def _error_headers(err: ActorError) -> dict[str, str]:
-    """Every 503 says when to retry."""
-    return {"Retry-After": RETRY_AFTER_S} if err.code == 503 else {}
+    """Every 503 says when to retry (an error may say how long itself: a failed wake)."""
+    return {"Retry-After": getattr(err, "retry_after", RETRY_AFTER_S)} if err.code == 503 else {}
 
 
 def raw_response(err: ActorError) -> bytes:

@@ -13,6 +13,7 @@ from .observations import Observations
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_WAKE = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _TOK = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
@@ -83,6 +84,17 @@ class FrontendMetrics:
                                      registry=r)
         self.http_malformed = Counter(f"{p}_http_malformed_requests",
                                       "Requests refused by the HTTP parser (400)", registry=r)
+
+        # cold models (actors.frontend.cold): a wake's latency is the first held request's wait
+        self.cold_starts = Counter(f"{p}_cold_starts", "Cold periods: a request found its model cold and "
+                                   "a wake was asked for", ["model"], registry=r)
+        self.wake_seconds = Histogram(f"{p}_wake_seconds", "From the first request held for a cold model to "
+                                      "the model serving, by what was cold (sleep: replicas asleep; zero: "
+                                      "no replica)", ["model", "cold"], buckets=_WAKE, registry=r)
+        self.held = Gauge(f"{p}_held_requests", "Requests held for a cold model now", ["model"], registry=r)
+        self.held_done = Counter(f"{p}_held_requests_ended", "Requests held for a cold model, by how the hold "
+                                 "ended (served, failed, timeout, refused: over max_held)", ["model", "outcome"],
+                                 registry=r)
 
         self._models: dict[str, ModelSeries] = {}
         self._requests: dict[tuple[str, str, int], Any] = {}

@@ -24,6 +24,7 @@ from config.topology import FrontendConfig, ModelConfig
 
 from .api_shape import ApiShape
 from .choices import Arrival, Choice, build_choices, merged
+from .cold import ColdGate
 from .completion_flow import FlowDeps, WorkerLink
 from .discovery import WorkerSet
 from .http_guard import read_body
@@ -31,9 +32,9 @@ from .media import has_media, load_images, malformed_allow_urls, media_session
 from .metrics import FrontendMetrics, ModelSeries
 from .mm_processor import SHARED as MM_PROCESSORS
 from .mm_processor import MmProcessor
-from .openai_io import check_request_template, encode_json, parse_chat, parse_completion
+from .openai_io import check_request_template, encode_json, error_body, parse_chat, parse_completion
 from .output_parsing import ModelParsers
-from .planning import Plan, check_takes_images, plan_request, resolve
+from .planning import NotReady, Plan, check_takes_images, plan_request, resolve
 from .preprocess import ModelPreprocessors, Preprocessor
 from .quarantine import Quarantine
 from .responses import SESSION_HEADER, SSE_DONE, WORKER_HEADER, ResponseBuilder
@@ -57,6 +58,7 @@ class CompletionPipeline:
         self.preprocessors = ModelPreprocessors(workers, model_config)
         self._parsers: dict[tuple[int, str | None, str | None], ModelParsers] = {}
         self._http: aiohttp.ClientSession | None = None  # image URL fetches (made on first use)
+        self.cold: ColdGate | None = None  # holds requests for a cold model (the frontend actor sets it)
         for entry in malformed_allow_urls(config.media):
             log.warning("frontend.media.allow_urls entry %r admits no URL (a host, host:port or an "
                         "http(s) URL prefix)", entry)
@@ -80,6 +82,7 @@ class CompletionPipeline:
         body = await read_body(request, self.config.body_timeout, self.config.max_body_bytes, m)
         series: ModelSeries | None = None  # the model's series, once the request names one that exists
         status = 500
+        early: _EarlyStream | None = None  # a stream held for a cold model: its keep-alives
         try:
             if shape is not None:
                 # the chat request the shape made is already validated; the raw body is the other
@@ -90,7 +93,13 @@ class CompletionPipeline:
                 req = parse_chat(body) if chat else parse_completion(body)
             if chat:
                 check_request_template(req.chat_template, self.config.trust_request_chat_template)
-            entry, lora, name = resolve(self.workers, req.model, self.expected)
+            try:
+                entry, lora, name = resolve(self.workers, req.model, self.expected)
+            except NotReady:
+                early = _EarlyStream(request) if req.stream else None
+                if not await self._hold(req.model, early):
+                    raise
+                entry, lora, name = resolve(self.workers, req.model, self.expected)
             series = m.model(entry.name)
             series.queued.inc()
             try:
@@ -112,7 +121,7 @@ class CompletionPipeline:
             out = ResponseBuilder(plan, choices)
             series.inflight.inc()
             try:
-                resp = await (self._stream(request, out, t0, shape) if plan.stream
+                resp = await (self._stream(request, out, t0, shape, early) if plan.stream
                               else self._complete(out, t0, shape))
             finally:
                 series.inflight.dec()
@@ -125,6 +134,10 @@ class CompletionPipeline:
             return resp
         except ActorError as e:
             status = e.code
+            if early is not None and early.started:
+                # a held stream already answered 200 (its keep-alive comments): the error is an event
+                log.warning("held stream failed after its keep-alives: %s", e)
+                return await early.fail(e, shape)
             raise
         except (asyncio.CancelledError, ConnectionResetError):
             status = 499
@@ -135,6 +148,16 @@ class CompletionPipeline:
             raise
         finally:
             m.request_done(endpoint, series.name if series is not None else "unknown", status)
+
+    async def _hold(self, model: str | None, early: _EarlyStream | None) -> bool:
+        """Hold a request for a cold model until it serves (``cold.ColdGate``); False when the model
+        is not cold (the caller answers as it would have)."""
+        if self.cold is None:
+            return False
+        name = model or (next(iter(self.expected)) if len(self.expected) == 1 else None)
+        if name is None or name not in self.expected:
+            return False
+        return await self.cold.hold(name, early.keepalive if early is not None else None)
 
     async def _plan_with_images(self, req: Any, entry: Any, lora: str | None, name: str,
                                 pre: Preprocessor | None, body: bytes, parsers: ModelParsers | None) -> Plan:
@@ -222,14 +245,17 @@ class CompletionPipeline:
         yield pending, True
 
     async def _stream(self, request: web.Request, out: ResponseBuilder, t0: float,
-                      shape: ApiShape | None) -> web.StreamResponse:
+                      shape: ApiShape | None, early: _EarlyStream | None = None) -> web.StreamResponse:
         async with merged(out.choices) as arrivals:
             first = await anext(arrivals, None)  # errors before any output get a real HTTP status
             t_first = time.perf_counter()
             self.metrics.model(out.plan.entry.name).ttft.observe(t_first - t0)
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               **out.headers()})
-            await resp.prepare(request)
+            if early is not None and early.started:
+                resp = early.response  # held for a cold model: its headers went with the keep-alives
+            else:
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache", **out.headers()})
+                await resp.prepare(request)
             batches = self._frames(out, first, arrivals, t_first)
             if shape is not None:
                 return await self._shaped(resp, out, batches, shape)
@@ -291,3 +317,28 @@ class CompletionPipeline:
                 out.feed(c, chunk)
         body = out.body() if shape is None else await shape.body(out.plan, out.body())
         return web.Response(body=encode_json(body), content_type="application/json", headers=out.headers())
+
+
+class _EarlyStream:
+    """A stream held for a cold model: its first keep-alive sends the SSE headers (200), then an
+    SSE comment every ``frontend.cold.keepalive`` seconds, which clients skip and proxies see as
+    traffic. The response is then the stream's; an error after it is an SSE error event."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        self.started = False
+
+    async def keepalive(self) -> None:
+        if not self.started:
+            self.started = True
+            await self.response.prepare(self.request)
+        await self.response.write(b": waiting for the model to wake up\n\n")
+
+    async def fail(self, err: ActorError, shape: ApiShape | None) -> web.StreamResponse:
+        if shape is not None:
+            await self.response.write(shape.error_event(err))
+            await self.response.write_eof()
+        else:
+            await self.response.write_eof(b"data: " + error_body(err) + b"\n\n" + SSE_DONE)
+        return self.response

@@ -22,10 +22,18 @@ pool, with what its replicas are doing.
 For each missing replica the body says what it is doing, from the supervisors' children views
 (``starting``/``loading``/``restarting``/``stopped``) and the registry (``sleeping``,
 ``registering``: the process runs but its engine is not registered yet).
+
+Cold is a state, not a failure: when the model cannot be served because every pool it lacks is
+asleep (all its replicas' records say "sleeping") or at zero replicas (its root's view has no
+child of it: idle stop, or a planner at ``min_replicas = 0``), or a wake asked for by this
+frontend is under way, the status is ``cold`` and the answer 200: a request sent now is held and
+served once a replica is back (``actors.frontend.cold``). Only a wake that failed makes it
+``unhealthy`` (503, with ``wake_error``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +49,7 @@ class PoolExpectation:
     role: str  # agg | prefill | decode
     replicas: int
     host: str = "local"
+    idle_stop: bool = False  # its replicas are removed when idle (pools.<p>.sleep.idle_stop)
 
     @property
     def minimum(self) -> int:
@@ -50,7 +59,7 @@ class PoolExpectation:
 def _missing_state(child: dict[str, Any] | None, record: InstanceRecord | None) -> tuple[str, str]:
     """(state, detail) of a replica that is not serving."""
     if record is not None and record.status == "sleeping":
-        return "sleeping", "asleep (wake it with the worker's wake_up verb)"
+        return "sleeping", "asleep: the next request wakes it (or the worker's wake_up verb)"
     if child is None:
         return "unknown", "no supervisor reported this worker"
     state = child.get("state", "")
@@ -69,13 +78,23 @@ def _missing_state(child: dict[str, Any] | None, record: InstanceRecord | None) 
     return state or "unknown", status or reason
 
 
+@dataclass(frozen=True)
+class WakeState:
+    """What this frontend knows of a wake of its model (``cold.ColdGate``)."""
+
+    waking: bool = False  # requests are held and a wake was asked for
+    failure: str | None = None  # the last wake failed (answered at once for a while)
+
+
 class Readiness:
-    def __init__(self, model: str | None, pools: list[PoolExpectation], *, decode_fallback: bool) -> None:
+    def __init__(self, model: str | None, pools: list[PoolExpectation], *, decode_fallback: bool,
+                 wake: Callable[[str], WakeState] | None = None) -> None:
         self.model = model
         self.pools = pools
         disagg = any(p.role == "decode" for p in pools)
         self.decode_fallback = decode_fallback and disagg
         self.was_ready = False
+        self.wake = wake
 
     def required(self, pool: PoolExpectation) -> bool:
         return not (pool.role == "prefill" and self.decode_fallback)
@@ -112,9 +131,28 @@ class Readiness:
                             "state": state, "detail": detail})
         return missing
 
-    def evaluate(self, workers: WorkerSet, children: dict[str, dict[str, Any]] | None = None
-                 ) -> tuple[bool, dict[str, Any]]:
-        """(ready, /health body). ``children`` maps child id → supervisor child view (any host)."""
+    @staticmethod
+    def cold_pool(p: PoolExpectation, records: list[InstanceRecord], children: dict[str, dict[str, Any]],
+                  views_complete: bool) -> str | None:
+        """Why pool ``p`` (no ready worker) is cold: "sleep" (every replica it has is asleep),
+        "zero" (its root runs no replica of it), or None (starting, failing, or not known)."""
+        mine = [r for r in records if r.pool == p.name]
+        kids = [c for c in children.values() if (c.get("meta") or {}).get("pool") == p.name
+                and c.get("state") != "stopped"]
+        if mine and all(r.status == "sleeping" for r in mine) and len(kids) <= len(mine):
+            return "sleep"
+        if views_complete and not mine and (not kids or (p.idle_stop and all(c.get("state") == "running"
+                                                                              for c in kids))):
+            # no replica, or (idle stop) only replicas that left the registry while their process
+            # runs: being removed, which is how a pool reaches zero
+            return "zero"
+        return None
+
+    def evaluate(self, workers: WorkerSet, children: dict[str, dict[str, Any]] | None = None,
+                 views_complete: bool = False) -> tuple[bool, dict[str, Any]]:
+        """(ready, /health body). ``children`` maps child id → supervisor child view (any host);
+        ``views_complete``: every root answered the last time they were asked (a pool with no child
+        is then really at zero replicas)."""
         children = children or {}
         ready_list = workers.ready_instances()
         records = workers.records()
@@ -136,6 +174,14 @@ class Readiness:
         else:  # no topology to compare with (a frontend built on its own): any servable model
             ready = bool(workers.models)
         status = "healthy" if ready else ("unhealthy" if self.was_ready else "starting")
+        cold: dict[str, Any] | None = None
+        wake_error: str | None = None
+        if not ready and self.model is not None and self.model not in workers.models:
+            cold, wake_error = self._cold(workers, records, children, views_complete, pools)
+            if wake_error is not None:
+                status = "unhealthy"
+            elif cold is not None:
+                status, ready = "cold", True
         self.was_ready = self.was_ready or ready
         body: dict[str, Any] = {
             "status": status,
@@ -146,4 +192,33 @@ class Readiness:
         }
         if self.decode_fallback:
             body["decode_fallback"] = True
+        if cold is not None:
+            body["cold"] = cold
+        if wake_error is not None:
+            body["wake_error"] = wake_error
         return ready, body
+
+    def _cold(self, workers: WorkerSet, records: list[InstanceRecord], children: dict[str, dict[str, Any]],
+              views_complete: bool, pools: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+        """(the body's ``cold`` section or None, the failure of the last wake or None)."""
+        assert self.model is not None
+        wake = self.wake(self.model) if self.wake is not None else WakeState()
+        if wake.failure is not None:
+            return None, wake.failure
+        live = {w.pool for w in workers.ready_instances()}
+        why: dict[str, str] = {}
+        for p in self.pools:
+            if not self.required(p) or p.name in live:
+                continue
+            reason = self.cold_pool(p, records, children, views_complete)
+            if reason is None and not wake.waking:
+                return None, None  # a pool is missing for another reason: starting or failing
+            why[p.name] = reason or "waking"
+            pools[p.name]["cold"] = why[p.name]
+            if reason == "zero":
+                pools[p.name]["expected"] = 0
+                pools[p.name]["missing"] = [{"replica": None, "state": "zero", "detail": (
+                    "no replica runs (idle stop, or a planner at min_replicas 0): the next request starts one")}]
+        if not why:
+            return None, None
+        return {"model": self.model, "pools": why, "waking": wake.waking}, None

@@ -247,3 +247,46 @@ def profile_summary(p: Profile) -> dict[str, object]:
             "decode_points": len(p.decode),
             "isl_range": [min((x.isl for x in p.prefill), default=0), max((x.isl for x in p.prefill), default=0)],
             "max_decode_concurrency": max((x.concurrency for x in p.decode), default=0)}
+
+
+# --- cold models: demand and wake outcomes (actors.planner.wake) ------------------------------------
+class Demand(msgspec.Struct, kw_only=True):
+    """A frontend holds requests for ``model``, which no worker serves now (its pools asleep or at
+    zero replicas). Published on ``Subjects.wake_demand()`` once per cold period and frontend
+    process (JSON, so ``nats sub`` shows it as it is)."""
+
+    model: str
+    frontend: str
+    held: int = 1  # requests held when it was sent
+    wake_timeout: float = 120.0  # how long the frontend holds them: the waker gives up after it
+    ts: float = 0.0
+
+
+WakeAction = Literal["wake", "spawn", "stop"]
+
+
+class WakeOutcome(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a waker did for a pool: woke a sleeping replica (``wake``), started one in a pool at
+    zero (``spawn``), or removed an idle one (``stop``, idle_stop). Published on
+    ``Subjects.wake_outcome()``; a frontend ends its held requests with ``error`` when a wake
+    failed."""
+
+    pool: str
+    action: WakeAction
+    outcome: Literal["ok", "failed"]
+    model: str | None = None
+    target: str = ""  # the instance woken, or the child started or stopped
+    host: str = ""  # the root that runs the pool
+    error: str | None = None
+    seconds: float = 0.0  # from the demand (or the stop) to the answer
+    by: str = ""  # the waker's (or planner's) instance
+    ts: float = 0.0
+
+
+class WakerStatus(msgspec.Struct, kw_only=True):
+    """``<ns>.waker.<host>.status``: the pools a waker keeps, what runs now, the last outcomes."""
+
+    instance: str
+    pools: dict[str, dict[str, object]]
+    pending: dict[str, str]  # pool -> what runs for it now
+    recent: list[WakeOutcome]

@@ -66,6 +66,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     lora_name: str | None = None
     prefill_result: PrefillResult | None = None  # decode role
     kv_transfer_params: dict[str, Any] | None = None  # raw override (advanced)
+    probe: bool = False  # a health/readiness probe: not traffic (idle sleep and idle stop ignore it)
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -200,6 +201,7 @@ class EmbedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     token_ids: list[int]
     dimensions: int | None = None  # a Matryoshka model's shortened embedding (vLLM's PoolingParams)
     use_activation: bool | None = None  # None: the pooler's default (normalize, for most models)
+    probe: bool = False  # a health/readiness probe: not traffic (idle sleep and idle stop ignore it)
 
 
 class EmbedReply(msgspec.Struct, kw_only=True):
@@ -259,6 +261,9 @@ class LoadReport(msgspec.Struct, kw_only=True):
     ts: float = 0.0
     # scheduler steps of this rank since the previous report (the load-mode planner's samples)
     steps: list[StepSample] = []
+    # seconds since the worker last started or ended a request (health probes not counted); None
+    # while one is in flight. A waker removes the replica once this passes its pool's idle_stop
+    idle_s: float | None = None
 
 
 def output_to_chunk(out: EngineOutput, index: int = 0) -> GenerateChunk:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -151,14 +152,15 @@ class EngineActor(Actor):
     def cancel_subject(self) -> str:
         return self.bus.subjects.worker_cancel(self.instance)
 
-    def record(self) -> InstanceRecord:
+    def record(self, status: str | None = None) -> InstanceRecord:
+        """``status``: what to register as (default: "sleeping" while asleep, else "ready")."""
         facts = self.service.engine.facts if self.service._engine is not None else None
         return InstanceRecord(
             instance=self.instance, kind=self.kind, role=self.role, model=self.model, host=self.bus.host,
             pid=os.getpid(), pool=self.pool_name,
             generate_subject=self.bus.subjects.generate_instance(self.pool_name, self.instance),
             block_size=facts.block_size if facts else None, dp_size=facts.dp_size if facts else 1,
-            status="sleeping" if self.service.sleeping else "ready", started_at=self.started_at)
+            status=status or ("sleeping" if self.service.sleeping else "ready"), started_at=self.started_at)
 
     def metadata(self) -> dict[str, str]:
         return {**super().metadata(), "pool": self.pool_name}
@@ -359,16 +361,20 @@ class EngineActor(Actor):
                 engine = self.service.engine
                 stats = engine.stats()
                 self.metrics.update_engine(stats)
-                for rep in load_reports(self.instance, stats, steps=engine.take_steps()):
+                idle = (None if self.service.in_flight()
+                        else round(time.monotonic() - self.service.last_activity(), 3))
+                for rep in load_reports(self.instance, stats, steps=engine.take_steps(), idle_s=idle):
                     await self.bus.nc.publish(subject, codec.encode(rep, msgpack=True), headers=hdrs)
             except Exception as e:  # noqa: BLE001 - a missed report is harmless; keep reporting
                 log.debug("load report failed: %s", e)
             await asyncio.sleep(self.load_interval)
 
-    # --- sleep hooks: out of the registry and off the generate subjects, and back -------------------
+    # --- sleep hooks: out of routing (record "sleeping") and off the generate subjects, and back -----
     async def _deregister(self) -> None:
+        # the record stays, as "sleeping": routers and readiness skip it, while a frontend sees a
+        # cold model (not a missing one) and a waker finds the replica to wake
         if self.registry is not None:
-            await self.registry.deregister(self.instance)
+            await self.registry.register(self.instance, self.record(status="sleeping"))
         await self._set_generate_subscribed(False)
 
     async def _register(self) -> None:

@@ -191,12 +191,13 @@ class HealthChecker:
 
 def probe_request(n: int) -> GenerateRequest:
     return GenerateRequest(request_id=f"probe-{n}-{time.monotonic_ns()}", token_ids=[1],
-                           sampling=SamplingOptions(max_tokens=1, temperature=0.0, detokenize=False))
+                           sampling=SamplingOptions(max_tokens=1, temperature=0.0, detokenize=False),
+                           probe=True)
 
 
 def probe_embed_request(n: int) -> EmbedRequest:
     """An embedding worker's probe: a one-token prompt (token 1: any vocabulary has it)."""
-    return EmbedRequest(request_id=f"probe-{n}-{time.monotonic_ns()}", token_ids=[1])
+    return EmbedRequest(request_id=f"probe-{n}-{time.monotonic_ns()}", token_ids=[1], probe=True)
 
 
 def probe_encode_request(n: int) -> EncodeRequest:

@@ -127,9 +127,10 @@ def engine_metrics() -> bytes:
 
 
 def load_reports(instance: str, stats: list[EngineStats], now: float | None = None,
-                 steps: list[StepSample] | None = None) -> list[LoadReport]:
+                 steps: list[StepSample] | None = None, idle_s: float | None = None) -> list[LoadReport]:
     """One LoadReport per DP rank from the engine's latest stats, each with that rank's ``steps``
-    (the samples taken since the previous reports; those of a rank without stats are dropped)."""
+    (the samples taken since the previous reports; those of a rank without stats are dropped) and
+    the worker's ``idle_s``."""
     ts = time.time() if now is None else now
     by_rank: dict[int, list[StepSample]] = {}
     for step in steps or ():
@@ -137,5 +138,6 @@ def load_reports(instance: str, stats: list[EngineStats], now: float | None = No
     return [LoadReport(instance=instance, dp_rank=s.dp_rank, num_running=s.num_running,
                        num_waiting=s.num_waiting, kv_usage=s.kv_usage,
                        active_kv_blocks=s.active_kv_blocks, total_kv_blocks=s.total_kv_blocks,
-                       prefix_hit_rate=s.prefix_hit_rate, ts=ts, steps=by_rank.get(s.dp_rank, []))
+                       prefix_hit_rate=s.prefix_hit_rate, ts=ts, steps=by_rank.get(s.dp_rank, []),
+                       idle_s=idle_s)
             for s in stats]

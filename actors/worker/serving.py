@@ -63,6 +63,9 @@ class _Active:
     request_id: str
     abort_reason: str | None = None  # set by cancel/abort_all before aborting the engine request
     started: float = field(default_factory=time.monotonic)
+    # a health or readiness probe: not traffic, so it does not keep the worker from idling (the
+    # health monitor probes an idle engine every interval; counting that, it never went idle)
+    probe: bool = False
 
 
 class TokenCounter:
@@ -167,6 +170,10 @@ class EngineService:
     def last_activity(self) -> float:
         return self._last_activity
 
+    def touch(self) -> None:
+        """Count now as activity (a woken worker's idle clocks start again)."""
+        self._last_activity = time.monotonic()
+
     def active_ids(self) -> list[str]:
         return list(self._active)
 
@@ -233,16 +240,21 @@ class EngineService:
         last has finish_reason and usage. The engine request is aborted if the consumer stops early
         (cancel, caller gone, shutdown)."""
         prompt, sampling, lora, n_prompt = self._admit(req)
-        act = self._register(self.engine_request_id(req, request_id))
+        act = self._register(self.engine_request_id(req, request_id), probe=req.probe)
         return self._stream(req, act, prompt, sampling, lora, n_prompt)
 
-    def _register(self, rid: str) -> _Active:
+    def _register(self, rid: str, probe: bool = False) -> _Active:
         """A request in flight under ``rid`` (cancel, abort_all and the hang check see it)."""
         if rid in self._active:
             raise Conflict(f"request id {rid} is already in flight")
-        act = self._active[rid] = _Active(rid)
-        self._last_activity = time.monotonic()
+        act = self._active[rid] = _Active(rid, probe=probe)
+        self._touch(act)
         return act
+
+    def _touch(self, act: _Active) -> None:
+        """Traffic started or ended now (what idle sleep and idle stop measure from)."""
+        if not act.probe:
+            self._last_activity = time.monotonic()
 
     def mark_abort(self, request_id: str, reason: str) -> bool:
         act = self._active.get(request_id)
@@ -300,7 +312,7 @@ class EngineService:
             raise refusal(e, self.max_model_len, sampling.max_tokens) from None
         finally:
             self._active.pop(rid, None)
-            self._last_activity = time.monotonic()
+            self._touch(act)
             if not finished and not self.dead:
                 reason = act.abort_reason or ("shutdown" if self.stopping else "caller_gone")
                 self.metrics.cancelled(GENERATE, reason)
@@ -322,7 +334,7 @@ class EngineService:
         self._check_accepting()
         if not req.probe:
             check_encode(req, self.engine.facts, self.max_model_len)
-        act = self._register(req.request_id or uuid.uuid4().hex)
+        act = self._register(req.request_id or uuid.uuid4().hex, probe=req.probe)
         rid = act.request_id
         engine = self.engine
         try:
@@ -347,7 +359,8 @@ class EngineService:
             raise BadRequest(message_of(e), param="mm") from None
         finally:
             self._active.pop(rid, None)
-            self._last_activity = self.last_output = time.monotonic()
+            self.last_output = time.monotonic()
+            self._touch(act)
         return EncodeReply(outputs=[EncodedImage(uuid=u, encoder_output=data) for u, data in outputs])
 
     # --- embed (role "embed") ------------------------------------------------------------------------
@@ -365,7 +378,7 @@ class EngineService:
             waiting = sum(s.num_waiting for s in self.engine.stats())
             if waiting >= self.pool.max_waiting:
                 raise Overloaded(f"overloaded: {waiting} requests waiting (max_waiting={self.pool.max_waiting})")
-        act = self._register(req.request_id or uuid.uuid4().hex)
+        act = self._register(req.request_id or uuid.uuid4().hex, probe=req.probe)
         rid = act.request_id
         try:
             with self.metrics.track(EMBED):
@@ -385,7 +398,8 @@ class EngineService:
             raise BadRequest(message_of(e), param=getattr(e, "parameter", None) or "input") from None
         finally:
             self._active.pop(rid, None)
-            self._last_activity = self.last_output = time.monotonic()
+            self.last_output = time.monotonic()
+            self._touch(act)
         if act.abort_reason is not None:  # aborted while it ran: the engine's output is not one
             self.metrics.cancelled(EMBED, act.abort_reason)
             why = _MIGRATE_REASONS.get(act.abort_reason, act.abort_reason)

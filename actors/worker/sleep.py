@@ -1,12 +1,17 @@
 """Sleep/wake of a worker, deregister-then-act, as a plain asyncio class (no NATS).
 
-sleep: leave the registry and stop accepting generate → drain in-flight (bounded) or abort it →
-``engine.sleep(level)``. wake: ``engine.wake_up()`` → accept again → re-register. Leaving the
-registry *first* is what keeps routers from sending new work to an engine that is about to pause;
-the admission gate closes at the same moment for callers that still use a stale route.
+sleep: leave routing (the registry record turns "sleeping") and stop accepting generate → drain
+in-flight (bounded) or abort it → ``engine.sleep(level)``. wake: ``engine.wake_up()`` → accept
+again → the record turns "ready". Leaving routing *first* is what keeps routers from sending new
+work to an engine that is about to pause; the admission gate closes at the same moment for callers
+that still use a stale route. The sleeping record stays in the registry (routers skip it), so a
+frontend can tell a cold model from a missing one and a waker can find a replica to wake.
 
 Idle auto-sleep (SleepConfig.idle_timeout) sleeps an idle worker, and optionally deepens the sleep
-to level 2 after ``deeper_after`` more seconds.
+to level 2 after ``deeper_after`` more seconds. Idle means no request (health probes do not count) in
+flight and none started or ended for that long. Idle stop (SleepConfig.idle_stop) is the waker's
+(actors.planner.wake): it reads the idle time from the load reports and asks the root to remove the
+replica, since a worker may not call the supervisors (the shipped roles deny it).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class SleepHost(Protocol):
 
     def last_activity(self) -> float: ...  # time.monotonic() of the last generate start or end
 
+    def touch(self) -> None: ...  # count now as activity (a wake: the idle clocks start again)
+
     async def abort_all(self, reason: str) -> int: ...
 
 
@@ -45,7 +52,8 @@ Hook = Callable[[], Awaitable[None]]
 
 
 class SleepController:
-    """``register``/``deregister`` put the instance into / take it out of ns-instances."""
+    """``register`` makes the instance routable (its record "ready", the generate subjects
+    subscribed), ``deregister`` takes it out of routing (record "sleeping", unsubscribed)."""
 
     def __init__(self, host: SleepHost, *, register: Hook, deregister: Hook,
                  config: SleepConfig | None = None) -> None:
@@ -110,6 +118,7 @@ class SleepController:
             self.asleep, self.level = False, 0
             self.host.sleeping = False
             self.host.accepting = True
+            self.host.touch()  # woken for traffic: the idle clocks start now, not at the last request
             await self._safe_register()
             log.info("worker awake")
             return StatusReply(status="ok", message="awake")
