@@ -184,8 +184,10 @@ class ProcessChild:
             await self._drain_notify()
             await self._cleanup()
             self._raise_if_normal(self.proc.returncode)
+            # its last STATUS says why (a worker's "failed to start: <the engine's error>")
+            said = f": {self.status}" if self.status else ""
             raise ProcessExited(f"process {self.name} {exit_reason(self.proc.returncode)} before "
-                                f"ready", self.proc.returncode)
+                                f"ready{said}", self.proc.returncode)
         await self.stop(None)
         raise TimeoutError(f"process {self.name} not ready within {self.ready_timeout:g}s")
 

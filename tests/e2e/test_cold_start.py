@@ -1,0 +1,289 @@
+"""Scale to zero and back, as a user meets it: mocker deployments started with
+``python -m actors.supervisor`` whose pools go cold on their own (``sleep.idle_timeout``,
+``sleep.idle_stop``), then 16 concurrent requests through the official ``openai`` client.
+
+What a client must see: the model listed in /v1/models throughout, /health 200 ("cold") while cold,
+every held request served in full, the first token within the wake (or spawn) time + 1 s (+ 2 s
+from zero), one demand per cold period on the bus, and a wake that cannot succeed ending the held
+requests with 503 + Retry-After and the reason, within ``frontend.cold.wake_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import pytest
+
+from tests.e2e.conftest import Deployment, boot, http_json, http_text, post, shutdown
+from tests.helpers import openai_client
+
+N = 16
+MAX_TOKENS = 8
+WAKE_TIMEOUT = 20.0
+
+TOPOLOGY = """namespace = "dynamo"
+[model]
+name = "tiny"
+path = "tiny"
+[frontend]
+http = "127.0.0.1:8000"
+[frontend.cold]
+wake_timeout = {wake_timeout}
+[pools.agg]
+role = "agg"
+engine = "mocker"
+replicas = 1
+[pools.agg.sleep]
+{sleep}
+[pools.agg.engine_args]
+block_size = 16
+num_gpu_blocks = 4096
+speedup_ratio = 0.0
+{extra}
+"""
+
+
+def write_topology(path: Path, sleep: str, extra: str = "") -> None:
+    path.write_text(TOPOLOGY.format(wake_timeout=WAKE_TIMEOUT, sleep=sleep, extra=extra))
+
+
+class BusLog:
+    """The deployment's demand and wake-outcome subjects, as ``nats sub`` shows them."""
+
+    def __init__(self, d: Deployment) -> None:
+        self.d = d
+        self.demands: list[dict[str, Any]] = []
+        self.outcomes: list[dict[str, Any]] = []
+        self.nc: nats.NATS | None = None
+
+    async def __aenter__(self) -> BusLog:
+        self.nc = await nats.connect(self.d.bus_url)
+        ns = self.d.namespace
+        await self.nc.subscribe(f"{ns}.wake.demand", cb=self._add(self.demands))
+        await self.nc.subscribe(f"{ns}.wake.outcome", cb=self._add(self.outcomes))
+        await self.nc.flush()
+        return self
+
+    @staticmethod
+    def _add(into: list[dict[str, Any]]) -> Any:
+        async def cb(msg: Any) -> None:
+            into.append(json.loads(msg.data))
+        return cb
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.nc is not None
+        await self.nc.drain()
+
+    async def until_no_replica(self, timeout: float = 20.0) -> None:
+        """Until the root runs no replica of the pool (an idle stop drains, then removes it)."""
+        end = time.monotonic() + timeout
+        while [c for c in await self.children() if (c.get("meta") or {}).get("pool") == "agg"]:
+            assert time.monotonic() < end, await self.children()
+            await asyncio.sleep(0.1)
+
+    async def children(self) -> list[dict[str, Any]]:
+        assert self.nc is not None
+        msg = await self.nc.request(f"{self.d.namespace}.supervisor.local.children", b"{}", timeout=5)
+        return json.loads(msg.data)["children"]
+
+
+class Watcher:
+    """Polls /v1/models and /health every 100 ms from a thread, as a load balancer and a client
+    would, and records every answer that is not "listed" and 200."""
+
+    def __init__(self, d: Deployment) -> None:
+        self.d = d
+        self.bad: list[Any] = []
+        self.statuses: set[str] = set()
+        self.polls = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                code, models = http_json(f"{self.d.url}/v1/models")
+                if code != 200 or "tiny" not in [m["id"] for m in models["data"]]:
+                    self.bad.append(("models", code, models))
+                code, health = http_json(f"{self.d.url}/health")
+                self.statuses.add(health.get("status"))
+                if code != 200:
+                    self.bad.append(("health", code, health))
+                self.polls += 1
+            except (OSError, ValueError) as e:
+                self.bad.append(("error", repr(e)))
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+def cold_state(d: Deployment) -> str | None:
+    code, body = d.health()
+    if code == 200 and body["status"] == "cold":
+        return "+".join(sorted(set(body["cold"]["pools"].values())))
+    return None
+
+
+async def sixteen(d: Deployment) -> list[dict[str, Any]]:
+    """16 requests at once, half streamed, half not, chat and completions: what each got, with the
+    time from sending to its first token."""
+    client = openai_client(d.url, timeout=60)
+
+    async def one(i: int) -> dict[str, Any]:
+        t0 = time.monotonic()
+        chat = i % 4 < 2
+        if i % 2 == 0:  # streamed
+            kw: dict[str, Any] = {"model": "tiny", "max_tokens": MAX_TOKENS, "stream": True,
+                                  "stream_options": {"include_usage": True}, "extra_body": {"ignore_eos": True}}
+            stream = await (client.chat.completions.create(messages=[{"role": "user", "content": f"hi {i}"}], **kw)
+                            if chat else client.completions.create(prompt=f"hi {i}", **kw))
+            first, finish, usage = None, None, None
+            async for chunk in stream:
+                if chunk.choices:
+                    c = chunk.choices[0]
+                    text = c.delta.content if chat else c.text
+                    if text and first is None:
+                        first = time.monotonic() - t0
+                    finish = c.finish_reason or finish
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            return {"first": first, "finish": finish, "tokens": usage.completion_tokens if usage else None}
+        kw = {"model": "tiny", "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+        r = await (client.chat.completions.create(messages=[{"role": "user", "content": f"hi {i}"}], **kw)
+                   if chat else client.completions.create(prompt=f"hi {i}", **kw))
+        return {"first": time.monotonic() - t0, "finish": r.choices[0].finish_reason,
+                "tokens": r.usage.completion_tokens if r.usage else None}
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(N)))
+    finally:
+        await client.close()
+
+
+def assert_complete(results: list[dict[str, Any]]) -> None:
+    for r in results:
+        assert r["finish"] == "length" and r["tokens"] == MAX_TOKENS, results
+
+
+def wake_seconds(d: Deployment) -> dict[str, float]:
+    """frontend_wake_seconds_count by its ``cold`` label."""
+    out: dict[str, float] = {}
+    for line in http_text(f"{d.url}/metrics").splitlines():
+        if line.startswith("frontend_wake_seconds_count{"):
+            cold = line.split('cold="', 1)[1].split('"', 1)[0]
+            out[cold] = out.get(cold, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def asleep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    """Idle auto-sleep after 1 s at level 1, deepened to level 2 after 2 s more."""
+    topo = tmp_path_factory.mktemp("cold-topology") / "sleep.toml"
+    write_topology(topo, "idle_timeout = 1.0\nlevel = 1\ndeeper_after = 2.0")
+    d = boot(tmp_path_factory, "cold_sleep", str(topo), ready={"agg": 1})
+    yield d
+    shutdown(d)
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Deployment, Path]]:
+    """Idle stop after 2 s: the pool goes to zero replicas."""
+    topo = tmp_path_factory.mktemp("cold-topology") / "zero.toml"
+    write_topology(topo, "idle_stop = 2.0")
+    d = boot(tmp_path_factory, "cold_zero", str(topo), ready={"agg": 1})
+    yield d, topo
+    shutdown(d)
+
+
+@pytest.mark.slow
+async def test_asleep_worker_is_woken_by_requests(asleep: Deployment) -> None:
+    d = asleep
+    async with BusLog(d) as bus:
+        for level in (1, 2):
+            d.wait_until(lambda: cold_state(d) == "sleep", 15, "the idle worker asleep (/health: cold)")
+            if level == 2:
+                time.sleep(2.5)  # deeper_after: the sleep deepens to level 2
+                assert "sleep deepened to level 2" in d.output(200_000)
+            _, body = d.health()
+            assert body["pools"]["agg"]["missing"][0]["state"] == "sleeping", body
+            before = len(bus.demands)
+            with Watcher(d) as w:
+                results = await sixteen(d)
+            assert_complete(results)
+            assert not w.bad and w.polls, (w.bad, w.polls)
+            wakes = [o for o in bus.outcomes if o["action"] == "wake"]
+            assert wakes and wakes[-1]["outcome"] == "ok", bus.outcomes
+            # the first token of every request within the wake time + 1 s
+            worst = max(r["first"] for r in results)
+            assert worst <= wakes[-1]["seconds"] + 1.0, (worst, wakes[-1])
+            assert len(bus.demands) - before == 1, bus.demands  # once per cold period, not per request
+            assert bus.demands[-1]["model"] == "tiny"
+    assert wake_seconds(d).get("sleep") == 2.0, http_text(f"{d.url}/metrics")[-3000:]
+
+
+@pytest.mark.slow
+async def test_pool_at_zero_is_started_by_requests(scaled: tuple[Deployment, Path]) -> None:
+    d, _ = scaled
+    async with BusLog(d) as bus:
+        with Watcher(d) as w:
+            d.wait_until(lambda: cold_state(d) == "zero", 20, "the idle pool at zero replicas (/health: cold)")
+            await bus.until_no_replica()
+            stops = [o for o in bus.outcomes if o["action"] == "stop"]
+            assert stops and stops[-1]["outcome"] == "ok", bus.outcomes
+            results = await sixteen(d)
+            assert_complete(results)
+            spawns = [o for o in bus.outcomes if o["action"] == "spawn"]
+            assert spawns and spawns[-1]["outcome"] == "ok", bus.outcomes
+            # the first token within the engine's load time (the spawn, ready included) + 2 s
+            worst = max(r["first"] for r in results)
+            assert worst <= spawns[-1]["seconds"] + 2.0, (worst, spawns[-1])
+            assert len(bus.demands) == 1, bus.demands
+            kids = await bus.children()
+            assert [c["id"] for c in kids if (c.get("meta") or {}).get("pool") == "agg"] == ["worker-agg-0"], kids
+        assert not w.bad and w.polls, (w.bad, w.polls)
+        assert "cold" in w.statuses and "healthy" in w.statuses, w.statuses
+    assert wake_seconds(d).get("zero") == 1.0
+
+
+@pytest.mark.slow
+async def test_a_wake_that_cannot_succeed_ends_held_requests_with_503(scaled: tuple[Deployment, Path]) -> None:
+    """The pool's engine now fails to start (its topology says so); the held requests end with 503
+    + Retry-After naming the reason, within the wake timeout, and /health says why."""
+    d, topo = scaled
+    d.wait_until(lambda: cold_state(d) == "zero", 20, "the idle pool at zero replicas")
+    async with BusLog(d) as bus:
+        await bus.until_no_replica()
+    write_topology(topo, "idle_stop = 2.0", extra="die_at_start = true")  # what a spawned worker reads
+    loop = asyncio.get_running_loop()
+    t0 = time.monotonic()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    answers = await asyncio.gather(*(loop.run_in_executor(None, lambda: post(
+        f"{d.url}/v1/chat/completions", body, timeout=WAKE_TIMEOUT + 10)) for _ in range(4)))
+    took = time.monotonic() - t0
+    assert took <= WAKE_TIMEOUT + 1.0, took
+    for code, headers, text in answers:
+        assert code == 503, (code, text)
+        assert int(headers["Retry-After"]) >= 1, headers
+        msg = json.loads(text)["error"]["message"]
+        assert "could not start a replica of pool agg" in msg and "die_at_start" in msg, msg
+    code, health = d.health()
+    assert code == 503 and health["status"] == "unhealthy" and "die_at_start" in health["wake_error"], health
+    # the same answer at once while the failure is fresh: no new spawn per request
+    code, headers, text = post(f"{d.url}/v1/chat/completions", body, timeout=5)
+    assert code == 503 and "die_at_start" in text, (code, text)
+    with contextlib.suppress(Exception):
+        write_topology(topo, "idle_stop = 2.0")
