@@ -133,18 +133,20 @@ class Readiness:
 
     @staticmethod
     def cold_pool(p: PoolExpectation, records: list[InstanceRecord], children: dict[str, dict[str, Any]],
-                  views_complete: bool) -> str | None:
+                  views_complete: bool, served: bool = True) -> str | None:
         """Why pool ``p`` (no ready worker) is cold: "sleep" (every replica it has is asleep),
-        "zero" (its root runs no replica of it), or None (starting, failing, or not known)."""
+        "zero" (its root runs no replica of it), or None (starting, failing, or not known).
+        ``served``: the deployment has been ready (before, replicas without a record are a start)."""
         mine = [r for r in records if r.pool == p.name]
         kids = [c for c in children.values() if (c.get("meta") or {}).get("pool") == p.name
                 and c.get("state") != "stopped"]
         if mine and all(r.status == "sleeping" for r in mine) and len(kids) <= len(mine):
             return "sleep"
-        if views_complete and not mine and (not kids or (p.idle_stop and all(c.get("state") == "running"
-                                                                              for c in kids))):
-            # no replica, or (idle stop) only replicas that left the registry while their process
-            # runs: being removed, which is how a pool reaches zero
+        if views_complete and not mine and (not kids or (p.idle_stop and served and all(
+                c.get("state") in ("running", "starting") for c in kids))):
+            # no replica; or (idle stop) only replicas whose process runs without a record: one
+            # being removed (how a pool reaches zero) or one a wake started (how it comes back,
+            # maybe at another frontend's demand). A replica restarting after a crash is neither
             return "zero"
         return None
 
@@ -210,7 +212,7 @@ class Readiness:
         for p in self.pools:
             if not self.required(p) or p.name in live:
                 continue
-            reason = self.cold_pool(p, records, children, views_complete)
+            reason = self.cold_pool(p, records, children, views_complete, self.was_ready or wake.waking)
             if reason is None and not wake.waking:
                 return None, None  # a pool is missing for another reason: starting or failing
             why[p.name] = reason or "waking"

@@ -68,12 +68,21 @@ def test_a_replica_that_is_restarting_is_not_cold() -> None:
 
 def test_idle_stop_pool_whose_replica_left_is_cold_while_it_is_removed() -> None:
     """Its process still runs (draining) after leaving the registry: with idle stop on, that is the
-    way to zero; without, a running replica with no record is a failure (its engine restarts)."""
-    ws = workers()
-    for idle_stop, status in ((True, "cold"), (False, "starting")):
+    way to zero (and a replica starting with no record is the way back); without, a running replica
+    with no record is a failure (its engine restarts). Before the first ready, it is a start."""
+    for idle_stop, status in ((True, "cold"), (False, "unhealthy")):
+        ws = workers()
         r = Readiness("m", [PoolExpectation("agg", "agg", 1, idle_stop=idle_stop)], decode_fallback=False)
-        _ready, body = r.evaluate(ws, {"worker-agg-0": kid("running")}, views_complete=True)
-        assert body["status"] == status, body
+        _ready, body = r.evaluate(ws, {"worker-agg-0": kid("starting")}, views_complete=True)
+        assert body["status"] == "starting", body  # at start-up: not a wake
+        ws.put_instance("agg-0", rec("agg-0"))
+        assert r.evaluate(ws, {"worker-agg-0": kid("running")}, views_complete=True)[0]
+        ws.delete_instance("agg-0")
+        for state in ("running", "starting"):
+            _ready, body = r.evaluate(ws, {"worker-agg-0": kid(state)}, views_complete=True)
+            assert body["status"] == status, (state, body)
+        _ready, body = r.evaluate(ws, {"worker-agg-0": kid("restarting")}, views_complete=True)
+        assert body["status"] == "unhealthy", body  # a crash is not a cold pool
 
 
 def test_a_failed_wake_is_unhealthy_with_its_reason_and_a_wake_in_progress_is_cold() -> None:
