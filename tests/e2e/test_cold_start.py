@@ -89,6 +89,12 @@ class BusLog:
             assert time.monotonic() < end, await self.children()
             await asyncio.sleep(0.1)
 
+    async def waker(self) -> dict[str, Any]:
+        """``nats req <ns>.waker.local.status '{}'``: the root's waker."""
+        assert self.nc is not None
+        msg = await self.nc.request(f"{self.d.namespace}.waker.local.status", b"{}", timeout=5)
+        return json.loads(msg.data)
+
     async def children(self) -> list[dict[str, Any]]:
         assert self.nc is not None
         msg = await self.nc.request(f"{self.d.namespace}.supervisor.local.children", b"{}", timeout=5)
@@ -254,6 +260,9 @@ async def test_pool_at_zero_is_started_by_requests(scaled: tuple[Deployment, Pat
             assert len(bus.demands) == 1, bus.demands
             kids = await bus.children()
             assert [c["id"] for c in kids if (c.get("meta") or {}).get("pool") == "agg"] == ["worker-agg-0"], kids
+            waker = await bus.waker()
+            assert waker["pools"]["agg"]["idle_stop"] == 2.0 and waker["pending"] == {}, waker
+            assert [(o["action"], o["outcome"]) for o in waker["recent"]][-2:] == [("stop", "ok"), ("spawn", "ok")]
         assert not w.bad and w.polls, (w.bad, w.polls)
         assert "cold" in w.statuses and "healthy" in w.statuses, w.statuses
     assert wake_seconds(d).get("zero") == 1.0
