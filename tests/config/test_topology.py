@@ -195,3 +195,22 @@ def test_the_response_store_limits_are_checked_at_load(sets: list[str], message:
     with pytest.raises(TopologyError, match=re.escape(message)):
         load_topology(ROOT / "topologies" / "mocker-agg.toml", sets)
     assert load_topology(ROOT / "topologies" / "mocker-agg.toml", []).frontend.responses.ttl == 86400.0
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["pools.agg.sleep.idle_stop=0"], "pools.agg.sleep.idle_stop: expected a number > 0, got 0"),
+    (["frontend.cold.wake_timeout=0"], "frontend.cold.wake_timeout: expected a number > 0, got 0"),
+    (["frontend.cold.max_held=0"], "frontend.cold.max_held: expected a number > 0, got 0"),
+    (["frontend.cold.keepalive=-1"], "frontend.cold.keepalive: expected a number > 0, got -1"),
+    (["planner.enabled=true", "planner.mode=load", "pools.agg.sleep.idle_stop=60"],
+     "pools.agg.sleep.idle_stop: the planner keeps this pool at 1 replica(s) or more and would start again "
+     "what idle_stop removes: set planner.pools.agg.min_replicas = 0 (or planner.min_replicas = 0)"),
+])
+def test_scale_to_zero_settings_are_checked_at_load(sets: list[str], message: str) -> None:
+    with pytest.raises(TopologyError, match=re.escape(message)):
+        load_topology(ROOT / "topologies" / "mocker-agg.toml", sets)
+    t = load_topology(ROOT / "topologies" / "mocker-agg.toml", ["pools.agg.sleep.idle_stop=60"])
+    assert t.pools["agg"].sleep.idle_stop == 60.0 and t.frontend.cold.wake_timeout == 120.0
+    t = load_topology(ROOT / "topologies" / "mocker-agg.toml", [
+        "planner.enabled=true", "planner.mode=load", "planner.min_replicas=0", "pools.agg.sleep.idle_stop=60"])
+    assert t.planner.min_replicas == 0
