@@ -19,7 +19,7 @@ from typing import Any, Union, get_args, get_origin
 import msgspec
 
 from actors.kv.contract import KvDumpRequest, KvRangeRequest, RouterKvEvent
-from actors.planner.contract import DecisionsRequest, ProfileRequest
+from actors.planner.contract import DecisionsRequest, Demand, ProfileRequest, WakeOutcome
 from actors.router.service import DumpRequest, FinishRequest, RouteRequest
 from actors.worker import contract as C
 from bus import codec
@@ -90,12 +90,16 @@ VERBS: dict[tuple[str, str], Verb] = {
     ("planner", "status"): _ANY,
     ("planner", "decisions"): Verb(DecisionsRequest),
     ("planner", "profile"): Verb(ProfileRequest),
+    ("waker", "status"): _ANY,
 }
 SRV_VERB = _ANY  # $SRV.PING|INFO|STATS.<name>.<id>: the payload is ignored
 # Published, never requested (no reply by design). A valid event or load report for a made-up
 # worker would change what the router believes, so they count as mutating: only garbage is sent.
 KV_EVENT_VERB = Verb(RouterKvEvent, mutating=True)
 LOAD_VERB = Verb(C.LoadReport, mutating=True)
+# cold models: a valid demand wakes a pool, a valid failed outcome ends a frontend's held requests
+DEMAND_VERB = Verb(Demand, mutating=True)
+WAKE_OUTCOME_VERB = Verb(WakeOutcome, mutating=True)
 UNKNOWN_VERB = Verb(mutating=True)  # an endpoint VERBS does not know: only undecodable bytes
 
 

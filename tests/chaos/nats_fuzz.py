@@ -34,11 +34,13 @@ from bus import subjects as S
 from bus.subjects import Subjects
 from bus.wire import NO_RESPONDERS, STATUS
 from tests.chaos.nats_battery import (
+    DEMAND_VERB,
     KV_EVENT_VERB,
     LOAD_VERB,
     SRV_VERB,
     UNKNOWN_VERB,
     VERBS,
+    WAKE_OUTCOME_VERB,
     Case,
     Verb,
     field_cases,
@@ -112,6 +114,10 @@ def discover(infos: list[dict[str, Any]], records: dict[str, Any],
             for subject, verb, what in ((sj.kv_events(instance), KV_EVENT_VERB, "kv_events"),
                                         (sj.load(instance), LOAD_VERB, "load")):
                 targets.setdefault(subject, Target(subject, verb, f"registry:{what}", reply=False))
+    # a deployment's cold-model subjects (plain subscriptions of the frontends and the waker)
+    for subject, verb, what in ((sj.wake_demand(), DEMAND_VERB, "wake_demand"),
+                                (sj.wake_outcome(), WAKE_OUTCOME_VERB, "wake_outcome")):
+        targets.setdefault(subject, Target(subject, verb, f"bus:{what}", reply=False))
     return sorted(targets.values(), key=lambda t: t.subject), unknown
 
 

@@ -61,7 +61,8 @@ def test_malformed_payloads_on_every_subject(case: str, sets: list[str], expecte
         report = json.dumps({k: v for k, v in fig.items() if k != "subjects"}, indent=1)
         print(report)
         assert expected <= _found(fig), f"endpoints not found: {expected - _found(fig)}"
-        assert {"registry:generate_subject", "registry:kv_events", "registry:load", "srv-control"} <= _sources(fig)
+        assert {"registry:generate_subject", "registry:kv_events", "registry:load", "srv-control",
+                "bus:wake_demand", "bus:wake_outcome"} <= _sources(fig)
         assert not fig["unclassified"], f"endpoints nats_battery.VERBS does not know: {fig['unclassified']}"
         assert fig["payloads_sent"] > 2000
         assert fig["server_errors"] == 0, report
