@@ -364,6 +364,15 @@ class PlannerConfig(_Strict):
         pp = self.pools.get(name)
         return pool.role != "encode" and (pp is None or pp.managed)
 
+    def min_of(self, name: str) -> int:
+        """Pool ``name``'s min_replicas (``planner.pools.<name>.min_replicas``, else the default)."""
+        pp = self.pools.get(name)
+        return pp.min_replicas if pp is not None and pp.min_replicas is not None else self.min_replicas
+
+    def to_zero(self, name: str, pool: PoolConfig) -> bool:
+        """Whether this planner may take pool ``name`` to zero replicas (``min_replicas = 0``)."""
+        return self.enabled and self.scales(name, pool) and self.min_of(name) == 0
+
     def effective_interval(self) -> float:
         if self.interval is not None:
             return self.interval

@@ -275,7 +275,7 @@ def _frontend_nodes(t: Topology, host: str, link: BusLink, status: Callable[[str
     def start() -> Child:
         from actors.frontend.actor import FrontendActor
         return FrontendActor(link.child_ctx(), config=fe, model_config=model, instance=f"frontend-{host}",
-                             pools=t.pools, supervisor_hosts=roots, on_status=status,
+                             pools=t.pools, supervisor_hosts=roots, on_status=status, planner=t.planner,
                              extra_metrics=[planner_metrics.registry] if planner_metrics is not None else [])
 
     return [Node(ChildSpec("frontend", start, "permanent", t.supervisor.drain_timeout), "actor",

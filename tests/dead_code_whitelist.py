@@ -20,6 +20,7 @@ _.pre_tokenizer, _.post_processor
 # wire fields: read by NATS clients (the CLI, operators), not by our code.
 _.uptime  # HealthReply
 _.ttft_p90_ms, _.itl_p90_ms, _.last_decision  # the planner's Observed and PlannerStatus
+_.wake_pending  # PlannerStatus: the keeper's wakes and idle stops in progress
 
 # result fields written to the benchmark's JSON output (bench/frontend_bench.py).
 _.latency_avg, _.wrk_cpu_s

@@ -31,7 +31,7 @@ from bus.addresses import split_hostport
 from bus.connection import flush_in_order
 from bus.context import BusContext
 from bus.tasks import cancel_and_wait
-from config.topology import FrontendConfig, ModelConfig, PoolConfig
+from config.topology import FrontendConfig, ModelConfig, PlannerConfig, PoolConfig
 
 from . import metrics_merge
 from .app import FrontendApp
@@ -63,7 +63,7 @@ class FrontendActor(Actor):
                  registry_ttl: float | None = None, pools: Mapping[str, PoolConfig] | None = None,
                  supervisor_hosts: list[str] | None = None, on_status: Callable[[str], None] | None = None,
                  extra_metrics: Sequence[CollectorRegistry] = (), link: socket.socket | None = None,
-                 **kw: Any) -> None:
+                 planner: PlannerConfig | None = None, **kw: Any) -> None:
         """``extra_metrics``: other registries of this process that /metrics serves (the planner's).
         ``link``: this process's end of the connection hand-over with the root, which accepts on
         ``config.http`` for the deployment's frontend processes (``frontend.processes`` > 1,
@@ -76,7 +76,10 @@ class FrontendActor(Actor):
             self.registry_ttl = registry_ttl
         decode_only = model_config.allow_decode_only if model_config is not None else True
         self.workers = WorkerSet(verify=True, decode_only=lambda _m: decode_only)
-        expected = [PoolExpectation(name, p.role, p.replicas, p.host, idle_stop=p.sleep.idle_stop is not None)
+        # a pool that idle stop or the planner (min_replicas = 0) takes to zero: a replica out of the
+        # registry while its process drains is on its way to zero (cold), not failing
+        expected = [PoolExpectation(name, p.role, p.replicas, p.host, idle_stop=p.sleep.idle_stop is not None
+                                    or (planner is not None and planner.to_zero(name, p)))
                     for name, p in (pools or {}).items()]
         self.readiness = Readiness(model_config.name if model_config else None, expected,
                                    decode_fallback=decode_only, wake=self._wake_state)
@@ -258,6 +261,8 @@ class FrontendActor(Actor):
                 due, delay = loop.time(), 0.0
             await asyncio.sleep(delay)
             window = self.metrics.observations.roll(time.time())
+            if self.cold is not None:  # held for a cold model: demand no engine sees yet
+                window.held = sum(p.held for p in self.cold.periods.values())
             try:
                 await self.bus.nc.publish(subject, codec.encode(window), headers=headers)
             except Exception as e:  # noqa: BLE001 - a lost window is a gap the planner tolerates

@@ -83,6 +83,7 @@ class CompletionPipeline:
         series: ModelSeries | None = None  # the model's series, once the request names one that exists
         status = 500
         early: _EarlyStream | None = None  # a stream held for a cold model: its keep-alives
+        t_obs = t0  # when the planner's TTFT starts: after a hold (a wake's wait is not engine load)
         try:
             if shape is not None:
                 # the chat request the shape made is already validated; the raw body is the other
@@ -99,6 +100,7 @@ class CompletionPipeline:
                 early = _EarlyStream(request) if req.stream else None
                 if not await self._hold(req.model, early):
                     raise
+                t_obs = time.perf_counter()
                 entry, lora, name = resolve(self.workers, req.model, self.expected)
             series = m.model(entry.name)
             series.queued.inc()
@@ -114,7 +116,7 @@ class CompletionPipeline:
             choices = self._choices(plan, target=request.headers.get(WORKER_HEADER),
                                     session=request.headers.get(SESSION_HEADER))
             for c in choices:  # each choice is one engine request the planner sees
-                c.obs = m.observations.start(t0)
+                c.obs = m.observations.start(t_obs)
             for ids, _ in plan.prompts:
                 if ids is not None:
                     series.input_tokens.observe(len(ids))

@@ -64,7 +64,8 @@ async def run_frontend(t: Topology, index: int, sock: socket.socket, supervisors
 
     def start() -> FrontendActor:
         return FrontendActor(ctx.child(), config=fe, model_config=t.model, instance=frontend_instance(fe.host, index),
-                             pools=t.pools, supervisor_hosts=supervisors, on_status=notifier.status, link=sock)
+                             pools=t.pools, supervisor_hosts=supervisors, on_status=notifier.status, link=sock,
+                             planner=t.planner)
 
     sc = t.supervisor
     sup = Supervisor(node, [ChildSpec("frontend", start, "permanent", sc.drain_timeout)], strategy="one_for_one",

@@ -11,6 +11,11 @@ metrics. Observations: ``<ns>.metrics.frontend.*`` (``FrontendWindow``) and ``<n
 (``LoadReport`` with step samples); which pool an instance serves comes from ``<ns>-instances``.
 Every decision starts from the roots' ``children`` views, so a restarted planner resumes from the
 replicas that really run.
+
+The planner is also the deployment's waker (no ``WakerActor`` runs beside it): a ``wake.PoolKeeper``
+over every pool acts on ``<ns>.wake.demand`` at once (wakes a sleeping replica or spawns one in a
+pool at zero) and removes replicas idle past ``sleep.idle_stop``, publishing ``<ns>.wake.outcome``.
+The keeper and the planner's own changes of a pool never run at once (``_change``).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ from actors.planner.metrics import PlannerMetrics
 from actors.planner.observer import Observer
 from actors.planner.planner import Planner, PoolState, PoolView, replica_of
 from actors.planner.scaler import Scaler
+from actors.planner.wake import KeptPool, PoolKeeper
+from actors.planner.waker import BusWakeOps, KeeperFeed
 from actors.worker.contract import LoadReport
 from bus import codec
 from bus.context import BusContext
@@ -66,8 +73,7 @@ def pool_states(cfg: PlannerConfig, pools: Mapping[str, PoolConfig], roots: Mapp
     out = {}
     for name, p in pools.items():
         pp = cfg.pools.get(name)
-        lo = pp.min_replicas if pp is not None and pp.min_replicas is not None else cfg.min_replicas
-        limits = PoolLimits(pool=name, host=roots.get(name, p.host), min_replicas=lo,
+        limits = PoolLimits(pool=name, host=roots.get(name, p.host), min_replicas=cfg.min_of(name),
                             max_replicas=pp.max_replicas if pp is not None else None,
                             engines_per_replica=replica_engines(cfg, name, p),
                             managed=cfg.scales(name, p))
@@ -101,6 +107,12 @@ class PlannerActor(Actor):
         self._subs: list[Any] = []
         self._loop: asyncio.Task[None] | None = None
         self._changes: dict[str, asyncio.Task[None]] = {}
+        # cold pools: the keeper wakes or spawns on a frontend's demand at once, not at the next
+        # interval (180 s in throughput mode), and removes replicas idle past sleep.idle_stop
+        self.keeper = PoolKeeper([KeptPool.of(n, p, self.roots.get(n, p.host)) for n, p in pools.items()],
+                                 BusWakeOps(bus, self.instances, self.scaler), instance=self.instance,
+                                 model=model, on_busy=self._keeper_busy)
+        self.feed = KeeperFeed(bus, self.keeper)
 
     # --- actor ---------------------------------------------------------------------------------------
     def endpoints(self) -> list[Endpoint]:
@@ -114,6 +126,7 @@ class PlannerActor(Actor):
         return {"mode": self.config.mode, "no_op": self.config.no_op, "decisions": self.planner.seq,
                 "windows_seen": self.observer.windows_seen,
                 "replicas": {n: v.current for n, v in self.views.items()},
+                "wake_pending": dict(self.keeper.pending), "wakes": len(self.keeper.recent),
                 "last_targets": {p.pool: p.target for p in last.pools} if last else {}}
 
     async def on_start(self) -> None:
@@ -122,6 +135,7 @@ class PlannerActor(Actor):
         await self.instances.start()
         self._subs = [await self.bus.nc.subscribe(s.metrics_frontend_all(), cb=self._on_window),
                       await self.bus.nc.subscribe(s.load_all(), cb=self._on_load)]
+        await self.feed.start()
         for name, st in self.planner.pools.items():
             if self.config.mode == "throughput" and st.model is None:
                 log.warning("planner: pool %s has no usable profile (%s); it keeps its replicas until one "
@@ -140,8 +154,9 @@ class PlannerActor(Actor):
             except Exception:  # noqa: BLE001 - the connection may be gone already
                 pass
         self._subs = []
-        await cancel_and_wait(self._loop, *self._changes.values())
+        await cancel_and_wait([t for t in (self._loop, *self._changes.values()) if t is not None])
         self._changes.clear()
+        await self.feed.stop()  # and the keeper's actions in progress
         await self.instances.stop()
 
     # --- observations --------------------------------------------------------------------------------
@@ -177,7 +192,7 @@ class PlannerActor(Actor):
         """One decision: look, decide, publish, act."""
         self.views = await self._views()
         observed = self.observer.take_interval()
-        predicted, loads = None, {}
+        predicted = None
         if self.config.mode == "throughput":
             for st in self.planner.pools.values():
                 if st.model is None:
@@ -189,7 +204,8 @@ class PlannerActor(Actor):
                 samples = self.observer.take_steps(name)
                 if samples:
                     st.regression.fit(samples)
-            loads = self._loads(observed.isl or self.planner.last_isl or 0.0)
+        # both modes: no pool goes to zero while its engines still run or queue requests
+        loads = self._loads(observed.isl or self.planner.last_isl or 0.0)
         decision = self.planner.decide(self.views, observed, loads, predicted=predicted)
         self.decisions.append(decision)
         self.metrics.decided(decision)
@@ -260,9 +276,35 @@ class PlannerActor(Actor):
                 continue  # decide() already held this pool; a race with a just-finished change
             self._changes[pool] = asyncio.create_task(self._change(pool, actions), name=f"planner:{pool}")
 
+    def _keeper_busy(self, pool: str, what: str | None) -> None:
+        """The keeper starts (``what``) or ends (None) a wake or idle stop of ``pool``: decide()
+        holds a pool with a pending change, so the planner does not resize it meanwhile."""
+        st = self.planner.pools.get(pool)
+        if st is not None:
+            st.pending = f"{what} (waker)" if what is not None else None
+
     async def _change(self, pool: str, actions: list[Action]) -> None:
+        """Carry out one decision's actions for ``pool``, holding the keeper's lock of the pool.
+
+        Why the keeper's lock rather than routing demand through ``_changes``: the keeper already
+        serialises its own wakes and idle stops with that lock, re-reads the pool once it holds it
+        (a wake waiting behind our stop of the last replica then spawns one), and skips an idle stop
+        while it is taken. Demand is acted on at once, without a decision. The check and the
+        acquire below run without a suspension in between (an uncontended ``Lock.acquire`` does
+        not yield), so exactly one of the two holds the pool."""
         st = self.planner.pools[pool]
         engine = st.engine
+        lock = self.keeper.lock(pool)
+        if lock.locked():
+            # the keeper started on this pool after the decision: the decision's counts are stale,
+            # and the next one decides again (its pending note holds the pool meanwhile)
+            log.info("planner: %s changes this pool (%s); the decision's actions are dropped", pool,
+                     self.keeper.pending.get(pool, "waker"))
+            return
+        async with lock:
+            await self._act(st, pool, engine, actions)
+
+    async def _act(self, st: PoolState, pool: str, engine: str, actions: list[Action]) -> None:
         try:
             for a in actions:
                 st.pending = f"{a.kind} {a.child}"
@@ -288,7 +330,8 @@ class PlannerActor(Actor):
                              interval=cfg.effective_interval(), ttft_target_ms=cfg.ttft_target_ms,
                              itl_target_ms=cfg.itl_target_ms, budget=cfg.budget, engines=engines,
                              predictor=cfg.predictor, pools=self.planner.status(self.views),
-                             last_decision=self.decisions[-1] if self.decisions else None)
+                             last_decision=self.decisions[-1] if self.decisions else None,
+                             wake_pending=dict(self.keeper.pending), wakes=list(self.keeper.recent))
 
     async def recent(self, req: DecisionsRequest, headers: Mapping[str, str]) -> dict[str, Any]:
         n = max(0, min(req.limit, KEEP_DECISIONS))

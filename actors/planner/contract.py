@@ -96,6 +96,9 @@ class FrontendWindow(msgspec.Struct, kw_only=True):
     isl_tokens: int = 0  # prompt tokens of the finished requests
     osl_tokens: int = 0  # generated tokens of the finished requests
     cached_tokens: int = 0  # prompt tokens the serving engine found cached
+    # requests held for a cold model at the window's end (not started yet: they are not in
+    # ``requests`` until their model serves again)
+    held: int = 0
     ttft: Histogram = msgspec.field(default_factory=lambda: Histogram.empty(TTFT_BOUNDS_MS))
     itl: Histogram = msgspec.field(default_factory=lambda: Histogram.empty(ITL_BOUNDS_MS))
 
@@ -108,6 +111,7 @@ class FrontendWindow(msgspec.Struct, kw_only=True):
         self.isl_tokens += w.isl_tokens
         self.osl_tokens += w.osl_tokens
         self.cached_tokens += w.cached_tokens
+        self.held += w.held
         self.ttft.merge(w.ttft)
         self.itl.merge(w.itl)
 
@@ -125,6 +129,9 @@ class Observed(msgspec.Struct, kw_only=True, omit_defaults=True):
     itl_ms: float | None = None  # mean
     ttft_p90_ms: float | None = None
     itl_p90_ms: float | None = None
+    # requests held for a cold model at the interval's end (each frontend's latest window): demand
+    # that no engine sees yet, so a pool at zero replicas is grown for it
+    held: int = 0
 
 
 class Action(msgspec.Struct, kw_only=True):
@@ -190,6 +197,10 @@ class PlannerStatus(msgspec.Struct, kw_only=True, omit_defaults=True):
     predictor: str
     pools: list[PoolStatus] = []
     last_decision: Decision | None = None
+    # the planner keeps cold pools too (``wake.PoolKeeper``): pool -> the wake or idle stop running
+    # now, and the last outcomes (as a waker's status has them)
+    wake_pending: dict[str, str] = {}
+    wakes: list[WakeOutcome] = []
 
 
 class DecisionsRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -3,7 +3,8 @@
 Inputs arrive from the bus as they are published: every frontend's ``FrontendWindow`` and every
 worker's ``LoadReport``. ``take_interval`` sums the windows that ended since the previous call into
 one ``Observed`` (rates per second of the real elapsed time, means over finished requests, latency
-from the merged histograms). Load reports keep the latest per (instance, rank), and their step
+from the merged histograms). Held requests (a cold model's) are a level, not a count: the interval
+has the sum of each frontend's latest window, not of every window. Load reports keep the latest per (instance, rank), and their step
 samples go to the pool's step regression (load mode).
 """
 
@@ -22,10 +23,11 @@ REPORT_STALE_S = 10.0
 STEP_WINDOW = 8192
 
 
-def observed(t: FrontendWindow, seconds: float, windows: int) -> Observed:
-    """What the ``windows`` summed in ``t`` say about an interval of ``seconds``."""
+def observed(t: FrontendWindow, seconds: float, windows: int, held: int = 0) -> Observed:
+    """What the ``windows`` summed in ``t`` say about an interval of ``seconds``; ``held``: the
+    requests the frontends hold at its end."""
     return Observed(
-        windows=windows,
+        windows=windows, held=held,
         request_rate=t.requests / seconds if seconds > 0 else 0.0,
         isl=t.isl_tokens / t.finished if t.finished else None,
         osl=t.osl_tokens / t.finished if t.finished else None,
@@ -46,6 +48,7 @@ class Observer:
         self._since = time.time()
         self._totals = _totals(self._since)
         self._windows = 0
+        self._held: dict[str, tuple[float, int]] = {}  # frontend -> (end, held) of its latest window
         self._reports: dict[tuple[str, int], tuple[float, LoadReport]] = {}
         self.steps: dict[str, deque[StepSample]] = {}  # pool -> step samples not yet fitted
         self._busy_ms: dict[str, float] = {}  # instance -> step time since the last take_busy
@@ -57,6 +60,9 @@ class Observer:
         if self.model is not None and w.model is not None and w.model != self.model:
             return
         self._totals.add(w)
+        last = self._held.get(w.instance)
+        if last is None or w.end >= last[0]:
+            self._held[w.instance] = (w.end, w.held)
         self.windows_seen += 1
         self._windows += 1
 
@@ -76,8 +82,9 @@ class Observer:
     # --- outputs ---------------------------------------------------------------------------------
     def take_interval(self, now: float | None = None) -> Observed:
         now = now if now is not None else time.time()
-        obs = observed(self._totals, now - self._since, self._windows)
+        obs = observed(self._totals, now - self._since, self._windows, sum(h for _, h in self._held.values()))
         self._totals, self._since, self._windows = _totals(now), now, 0
+        self._held = {}
         return obs
 
     def take_busy(self, now: float | None = None) -> dict[str, float]:

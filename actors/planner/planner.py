@@ -7,6 +7,11 @@ One ``decide`` per interval:
    interval's demand (request rate, ISL, OSL, KV hit rate; ``predictors``) and sizes the pool from
    its profile (``throughput``). Load mode fits step time on the pool's live step samples and
    simulates TTFT/ITL per engine (``load_model``): one replica more or fewer at a time.
+   Scale to zero and back (``_zero``): requests a frontend holds for a cold model are load no
+   engine reports, so a pool at zero replicas with held requests wants one, in both modes; and a
+   pool goes to zero only when its interval saw no request, none is held and its engines run and
+   queue none (``min_replicas = 0`` allows it). Load mode also lets an idle interval remove a
+   replica before its step fit is ready: an idle pool has no steps to fit.
 2. ``constraints`` clamps to min/max replicas and the engine budgets (total and per host).
 3. A pool whose last start failed keeps its count until its start backoff has passed; a pool with a
    change still in progress is left alone (one pending change per pool).
@@ -59,6 +64,13 @@ class PoolView:
     @property
     def ready(self) -> int:
         return len(self.instances)
+
+
+def _idle(observed: Observed, engines: list[EngineLoad]) -> bool:
+    """An interval with frontends reporting and nothing to serve: no request started, none held,
+    and every engine of the pool reporting, with nothing running or waiting."""
+    return (observed.windows > 0 and observed.request_rate == 0 and observed.held == 0 and bool(engines)
+            and all(e.num_running == 0 and e.num_waiting == 0 for e in engines))
 
 
 def replica_of(child_id: str, pool: str) -> int | None:
@@ -130,6 +142,9 @@ class Planner:
                 desired[name], reasons[name] = self._throughput(st, view, predicted, observed.windows)
             else:
                 desired[name], reasons[name] = self._load(st, view, loads.get(name, []), observed)
+            if st.limits.managed and view.known:
+                desired[name], reasons[name] = self._zero(view, desired[name], reasons[name], observed,
+                                                          loads.get(name, []))
         constrained = constrain(desired, current, {n: s.limits for n, s in self.pools.items() if n in views},
                                 self.cfg.budget, self.cfg.host_budget)
         decision = Decision(seq=self.seq, ts=now, mode=self.cfg.mode, no_op=self.cfg.no_op,
@@ -204,7 +219,36 @@ class Planner:
         delta, why = decide(view.role, engines, st.regression, self.last_isl or 0.0,  # type: ignore[arg-type]
                             self.cfg.ttft_target_ms, self.cfg.itl_target_ms, self.cfg.sensitivity)
         delta, why = self._achieved(view.role, delta, why, observed)
+        if delta == 0 and view.current > 0 and _idle(observed, engines):
+            # with a fit, idle engines give -1 already; without one (an idle pool makes no steps
+            # to fit) the pool would otherwise keep its replicas forever
+            delta, why = -1, f"{why}; but the interval was idle (no request, none held, engines empty): -1"
         return max(0, view.current + delta), why
+
+    @staticmethod
+    def _zero(view: PoolView, want: int, why: str, observed: Observed,
+              engines: list[EngineLoad]) -> tuple[int, str]:
+        """Scale to zero and back, whatever the mode said. A pool at zero replicas with requests
+        held for its cold model gets one (load mode sees no engine there, throughput mode no
+        started request). A pool is taken to zero only when nothing is in it or on its way: no
+        request started in the interval, none held, no engine running or queueing one."""
+        if want > 0:
+            return want, why
+        if view.current == 0:
+            if observed.held > 0:
+                return 1, f"{why}; but {observed.held} request(s) held for the cold model: 1"
+            return want, why
+        busy = []
+        if observed.request_rate > 0:
+            busy.append(f"{observed.request_rate:.2f} req/s in the interval")
+        if observed.held > 0:
+            busy.append(f"{observed.held} request(s) held")
+        inflight = sum(e.num_running + e.num_waiting for e in engines)
+        if inflight:
+            busy.append(f"{inflight} request(s) running or waiting on its engines")
+        if busy:
+            return 1, f"{why}; but {', '.join(busy)}: not to zero, keeps 1"
+        return want, why
 
     def _achieved(self, role: str, delta: int, why: str, observed: Observed) -> tuple[int, str]:
         """The latency clients actually got over the interval overrules the simulation: a mean over

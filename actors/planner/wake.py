@@ -98,6 +98,11 @@ class PoolKeeper:
         self._removed: collections.deque[str] = collections.deque(maxlen=256)
         self._tasks: set[asyncio.Task[None]] = set()
 
+    def lock(self, pool: str) -> asyncio.Lock:
+        """What every action on ``pool`` holds. A host that changes the pool itself (the planner's
+        spawns and stops) holds it too: a wake then waits for it, an idle stop is skipped."""
+        return self._locks[pool]
+
     # --- inputs --------------------------------------------------------------------------------------
     def demand(self, d: Demand) -> list[str]:
         """Start a wake of every kept pool that has no ready worker (one at a time per pool); the

@@ -224,3 +224,91 @@ def test_an_encode_pool_is_reported_and_held_never_scaled(tmp_path: Path) -> Non
         assert "3 engines" in str(e), e
     else:
         raise AssertionError("a budget below the encode pool's replicas plus the minimums was accepted")
+
+
+# --- scale to zero and back ----------------------------------------------------------------------------
+def zero_planner(tmp_path: Path, **cfg: Any) -> Planner:
+    p = planner(tmp_path, **cfg)
+    p.pools["prefill"].limits.min_replicas = 0
+    return p
+
+
+def idle_engines(n: int, running: int = 0, waiting: int = 0) -> dict[str, list[Any]]:
+    from actors.planner.load_model import EngineLoad
+
+    return {"prefill": [EngineLoad(f"e{i}", waiting if i == 0 else 0, running if i == 0 else 0, 0, 0)
+                        for i in range(n)]}
+
+
+def test_held_requests_grow_a_pool_at_zero_in_both_modes(tmp_path: Path) -> None:
+    """Requests held for a cold model are load no engine reports: at zero replicas, load mode sees no
+    engine and throughput mode no started request, yet the pool gets one."""
+    for mode in ("throughput", "load"):
+        p = zero_planner(tmp_path, mode=mode)
+        quiet = Observed(windows=2, request_rate=0.0)
+        stays = p.decide(view(0), quiet, {}, now=0.0)
+        assert stays.pools[0].target == 0 and stays.actions == [], (mode, stays)
+        d = p.decide(view(0), Observed(windows=2, request_rate=0.0, held=3), {}, now=1.0)
+        pool = d.pools[0]
+        assert (pool.current, pool.target) == (0, 1), (mode, pool)
+        assert "3 request(s) held for the cold model: 1" in pool.reason, pool.reason
+        assert [(a.kind, a.child) for a in d.actions] == [("spawn", "worker-prefill-0")]
+        # a wake in progress (the keeper's) holds the pool: the planner does not spawn beside it
+        p.pools["prefill"].pending = "wake (waker)"
+        held = p.decide(view(0), Observed(windows=2, held=3), {}, now=2.0)
+        assert held.actions == [] and held.pools[0].constraint == "change in progress: wake (waker)"
+
+
+def test_throughput_mode_goes_to_zero_only_when_nothing_is_in_the_pool(tmp_path: Path) -> None:
+    p = zero_planner(tmp_path)
+    none = Observed(request_rate=0.0)  # the forecast: no requests next interval
+    d = p.decide(view(1), Observed(windows=2, request_rate=0.0), idle_engines(1), predicted=none, now=0.0)
+    assert d.pools[0].target == 0 and d.pools[0].reason == "no requests predicted"
+    assert [(a.kind, a.child) for a in d.actions] == [("stop", "worker-prefill-0")]
+    # requests started in the interval, requests held, or requests on the engines: one replica stays
+    for obs, loads, why in ((Observed(windows=2, request_rate=0.5), idle_engines(1), "0.50 req/s in the interval"),
+                            (Observed(windows=2, held=2), idle_engines(1), "2 request(s) held"),
+                            (Observed(windows=2), idle_engines(2, running=1, waiting=2),
+                             "3 request(s) running or waiting on its engines")):
+        d = p.decide(view(2), obs, loads, predicted=none, now=1.0)
+        pool = d.pools[0]
+        assert pool.target == 1 and f"{why}: not to zero, keeps 1" in pool.reason, pool
+    # min_replicas 1 keeps its floor as before
+    p.pools["prefill"].limits.min_replicas = 1
+    d = p.decide(view(1), Observed(windows=2), idle_engines(1), predicted=none, now=2.0)
+    assert d.pools[0].target == 1 and d.actions == []
+
+
+def test_load_mode_takes_an_idle_pool_to_zero_without_a_step_fit(tmp_path: Path) -> None:
+    """An idle pool makes no steps, so its fit is never ready: an idle interval removes a replica."""
+    p = zero_planner(tmp_path, mode="load")
+    assert not p.pools["prefill"].regression.prefill_ready
+    quiet = Observed(windows=2, request_rate=0.0)
+    d = p.decide(view(2), quiet, idle_engines(2), now=0.0)
+    assert d.pools[0].target == 1 and "interval was idle" in d.pools[0].reason, d.pools[0]
+    d = p.decide(view(1), quiet, idle_engines(1), now=1.0)
+    assert d.pools[0].target == 0 and [a.kind for a in d.actions] == ["stop"]
+    # not while anything is there or on its way, nor with no engine reporting (starting up), nor
+    # with no frontend reporting (demand unknown)
+    for obs, loads in ((Observed(windows=2, request_rate=0.2), idle_engines(1)),
+                       (Observed(windows=2, held=1), idle_engines(1)),
+                       (quiet, idle_engines(1, waiting=1)),
+                       (quiet, {}),
+                       (Observed(windows=0), idle_engines(1))):
+        d = p.decide(view(1), obs, loads, now=2.0)
+        assert d.pools[0].target == 1 and d.actions == [], (obs, loads, d.pools[0])
+
+
+def test_observer_counts_each_frontends_latest_held_requests() -> None:
+    """Held requests are a level: two windows of one frontend are not twice its held requests."""
+    obs = Observer(model="m")
+    obs.take_interval(now=100.0)
+    for i, held in enumerate((4, 2)):
+        obs.add_window(FrontendWindow(instance="fe0", model="m", start=100.0 + i, end=101.0 + i, held=held))
+    obs.add_window(FrontendWindow(instance="fe1", model="m", start=100.0, end=101.0, held=3))
+    o = obs.take_interval(now=102.0)
+    assert o.held == 5 and o.windows == 3
+    assert obs.take_interval(now=103.0).held == 0  # nothing reported: nothing held
+    w = FrontendWindow(instance="fe0", start=0.0, end=1.0, held=2)
+    w.add(FrontendWindow(instance="fe1", start=0.0, end=1.0, held=3))
+    assert w.held == 5  # windows of several frontends merge by adding

@@ -1,0 +1,170 @@
+"""The SLA planner scales a pool 0 → N → 0 under a trace that starts and ends idle, as a user runs
+it: ``python -m actors.supervisor topologies/mocker-zero.toml`` (load mode, min_replicas = 0,
+decisions every 2 s), OpenAI traffic over HTTP, the planner and the root watched over NATS.
+
+The planner is the deployment's waker: no waker actor runs, the frontend's demand is acted on by
+the planner at once (a spawn, since the pool is at zero), and what it did is in its status.
+Throughout, /v1/models lists the model and /health answers 200 (``cold`` while at zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+import nats
+import pytest
+
+from tests.e2e.conftest import Deployment, http_json, shutdown
+from tests.helpers import openai_client
+
+N = 12
+MAX_TOKENS = 8
+INTERVAL = 2.0
+
+
+async def nats_json(d: Deployment, subject: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    nc = await nats.connect(d.bus_url)
+    try:
+        msg = await nc.request(subject, json.dumps(body or {}).encode(), timeout=10)
+        return json.loads(msg.data)
+    finally:
+        await nc.close()
+
+
+async def replicas(d: Deployment) -> list[str]:
+    """The agg replicas the root runs (its children view, as ``nats req <ns>.supervisor.local.children``)."""
+    view = await nats_json(d, f"{d.namespace}.supervisor.local.children")
+    return [c["id"] for c in view["children"]
+            if (c.get("meta") or {}).get("pool") == "agg" and c.get("state") != "stopped"]
+
+
+async def until(d: Deployment, pred: Any, timeout: float, what: str) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = await pred()
+        if v:
+            return v
+        await asyncio.sleep(0.2)
+    pytest.fail(f"{what}: not reached in {timeout}s:\n{d.output(4000)}")
+
+
+class Watcher:
+    """/v1/models and /health every 100 ms from a thread: every answer not "listed" and 200 is kept."""
+
+    def __init__(self, d: Deployment) -> None:
+        self.d = d
+        self.bad: list[Any] = []
+        self.statuses: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                code, models = http_json(f"{self.d.url}/v1/models")
+                if code != 200 or "tiny" not in [m["id"] for m in models["data"]]:
+                    self.bad.append(("models", code, models))
+                code, health = http_json(f"{self.d.url}/health")
+                self.statuses.add(health.get("status"))
+                if code != 200:
+                    self.bad.append(("health", code, health))
+            except (OSError, ValueError) as e:
+                self.bad.append(("error", repr(e)))
+            self._stop.wait(0.1)
+
+    def __enter__(self) -> Watcher:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+async def burst(d: Deployment) -> list[dict[str, Any]]:
+    """N requests at once (chat and completions, half streamed): how each ended."""
+    client = openai_client(d.url, timeout=60)
+
+    async def one(i: int) -> dict[str, Any]:
+        kw: dict[str, Any] = {"model": "tiny", "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
+        chat = i % 4 < 2
+        if i % 2 == 0:
+            kw.update(stream=True, stream_options={"include_usage": True})
+            stream = await (client.chat.completions.create(messages=[{"role": "user", "content": f"hi {i}"}], **kw)
+                            if chat else client.completions.create(prompt=f"hi {i}", **kw))
+            finish, tokens = None, None
+            async for chunk in stream:
+                if chunk.choices:
+                    finish = chunk.choices[0].finish_reason or finish
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
+            return {"finish": finish, "tokens": tokens}
+        r = await (client.chat.completions.create(messages=[{"role": "user", "content": f"hi {i}"}], **kw)
+                   if chat else client.completions.create(prompt=f"hi {i}", **kw))
+        return {"finish": r.choices[0].finish_reason, "tokens": r.usage.completion_tokens if r.usage else None}
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(N)))
+    finally:
+        await client.close()
+
+
+@pytest.mark.slow
+async def test_planner_scales_a_pool_from_zero_and_back(tmp_path_factory: pytest.TempPathFactory) -> None:
+    tmp = tmp_path_factory.mktemp("planner_zero")
+    d = Deployment("mocker-zero.toml", tmp, namespace=f"e2eplzero{time.monotonic_ns() % 10**9}",
+                   sets=[f"planner.interval={INTERVAL}"])
+    d.start()
+    try:
+        d.wait_ready({"agg": 1}, timeout=60)
+        with Watcher(d) as w:
+            # idle from the start: the planner takes the pool to zero
+            await until(d, lambda: _empty(d), 30, "the idle pool at zero replicas")
+            await until(d, lambda: _cold(d), 10, "/health: cold (zero)")
+            decisions = (await nats_json(d, f"{d.namespace}.planner.decisions", {"limit": 50}))["decisions"]
+            downs = [p for dec in decisions for p in dec["pools"] if p["current"] == 1 and p["target"] == 0]
+            assert downs and "idle" in downs[-1]["reason"], decisions
+
+            # requests for the cold model: held, the planner spawns a replica at once, all served
+            t0 = time.monotonic()
+            results = await burst(d)
+            took = time.monotonic() - t0
+            assert all(r["finish"] == "length" and r["tokens"] == MAX_TOKENS for r in results), results
+            assert len(await replicas(d)) >= 1
+            assert took < 3 * INTERVAL + 10, took  # not a decision later: the demand is acted on at once
+            status = await nats_json(d, f"{d.namespace}.planner.status")
+            spawns = [o for o in status["wakes"] if o["action"] == "spawn"]
+            assert spawns and spawns[-1]["outcome"] == "ok", status
+            assert spawns[-1]["by"].startswith("planner"), spawns
+
+            # idle again: back to zero
+            await until(d, lambda: _empty(d), 30, "the pool back at zero replicas")
+            await until(d, lambda: _cold(d), 10, "/health: cold again")
+            # the wait for the spawn is not load: no decision grew the pool for the latency it added
+            # (the planner's TTFT starts after a hold)
+            decisions = (await nats_json(d, f"{d.namespace}.planner.decisions", {"limit": 50}))["decisions"]
+            grown = [p for dec in decisions for p in dec["pools"] if p["target"] > p["current"]]
+            assert not grown, grown
+        assert not w.bad, w.bad[:5]
+        assert {"cold", "healthy"} <= w.statuses, w.statuses
+        # the planner is the waker: no waker actor beside it
+        kids = (await nats_json(d, f"{d.namespace}.supervisor.local.children"))["children"]
+        assert not [c for c in kids if c["id"] == "waker"], kids
+        log = d.output(200_000)
+        assert "planner: stop worker-agg-0" in log and "pool agg has no replica: spawning worker-agg-0" in log
+    finally:
+        shutdown(d)
+    assert "Traceback" not in d.output(200_000), d.output(200_000)
+
+
+async def _empty(d: Deployment) -> bool:
+    return await replicas(d) == []
+
+
+async def _cold(d: Deployment) -> bool:
+    code, body = http_json(f"{d.url}/health")
+    return code == 200 and body.get("status") == "cold"
