@@ -7,7 +7,10 @@
     │   ├── control     the root supervisor's micro service (ns.supervisor.<host>.*)
     │   ├── frontend    the OpenAI HTTP gateway, on its host (with the kv router it also serves
     │   │               ns.router.*: the process's one KV router, no separate router actor)
-    │   ├── planner     (when [planner] enabled names this host: scales pools through the roots)
+    │   ├── planner     (when [planner] enabled names this host: scales pools through the roots,
+    │   │               and wakes cold ones)
+    │   ├── waker       without a planner: wakes this host's cold pools on demand, removes idle
+    │   │               replicas (sleep.idle_stop)
     │   └── echo        the example actor, when `echo = true` and this host is in echo_hosts
     ├── frontend-<i>    with frontend.processes = N > 1, the frontend instead runs as N OS processes
     │                   served the connections this process accepts (deploy.frontends)

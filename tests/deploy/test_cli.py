@@ -67,7 +67,8 @@ def test_check_lists_the_frontend_processes_and_their_standby() -> None:
     ids = [line.split()[1] for line in lines if line.startswith("  - ")]
     assert ids == ["nats", "inproc", "frontend-0", "frontend-1", "frontend-2", "frontend-standby", "worker-agg-0"]
     inproc = [line.split()[1] for line in lines if line.startswith("      - ")]
-    assert inproc == ["bus", "control"]  # the frontend left the root process
+    # the frontend left the root process; the root's waker (cold pools, no planner) stays in it
+    assert inproc == ["bus", "control", "waker"]
     assert f"-m actors.frontend.process --topology {topo} --index 2 --supervisors local" in r.stdout
     assert f"-m actors.frontend.process --topology {topo} --standby --supervisors local" in r.stdout
     r = cli(str(topo), "--check", "--set", "frontend.processes=0")
