@@ -37,6 +37,7 @@ path = "tiny"
 http = "127.0.0.1:8000"
 [frontend.cold]
 wake_timeout = {wake_timeout}
+keepalive = {keepalive}
 [pools.agg]
 role = "agg"
 engine = "mocker"
@@ -51,8 +52,8 @@ speedup_ratio = 0.0
 """
 
 
-def write_topology(path: Path, sleep: str, extra: str = "") -> None:
-    path.write_text(TOPOLOGY.format(wake_timeout=WAKE_TIMEOUT, sleep=sleep, extra=extra))
+def write_topology(path: Path, sleep: str, extra: str = "", keepalive: float = 10.0) -> None:
+    path.write_text(TOPOLOGY.format(wake_timeout=WAKE_TIMEOUT, sleep=sleep, extra=extra, keepalive=keepalive))
 
 
 class BusLog:
@@ -207,9 +208,10 @@ def asleep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
 
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Deployment, Path]]:
-    """Idle stop after 2 s: the pool goes to zero replicas."""
+    """Idle stop after 2 s: the pool goes to zero replicas. Held streams get a keep-alive every
+    0.2 s, so the ones held through a spawn (about a second) get several."""
     topo = tmp_path_factory.mktemp("cold-topology") / "zero.toml"
-    write_topology(topo, "idle_stop = 2.0")
+    write_topology(topo, "idle_stop = 2.0", keepalive=0.2)
     d = boot(tmp_path_factory, "cold_zero", str(topo), ready={"agg": 1})
     yield d, topo
     shutdown(d)
@@ -276,23 +278,33 @@ async def test_a_wake_that_cannot_succeed_ends_held_requests_with_503(scaled: tu
     d.wait_until(lambda: cold_state(d) == "zero", 20, "the idle pool at zero replicas")
     async with BusLog(d) as bus:
         await bus.until_no_replica()
-    write_topology(topo, "idle_stop = 2.0", extra="die_at_start = true")  # what a spawned worker reads
+    # what a spawned worker reads (the frontend keeps the keep-alive interval it started with)
+    write_topology(topo, "idle_stop = 2.0", extra="die_at_start = true", keepalive=0.2)
     loop = asyncio.get_running_loop()
     t0 = time.monotonic()
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-    answers = await asyncio.gather(*(loop.run_in_executor(None, lambda: post(
-        f"{d.url}/v1/chat/completions", body, timeout=WAKE_TIMEOUT + 10)) for _ in range(4)))
+    answers = await asyncio.gather(*(loop.run_in_executor(None, lambda b=b: post(
+        f"{d.url}/v1/chat/completions", b, timeout=WAKE_TIMEOUT + 10))
+        for b in (body, body, {**body, "stream": True}, {**body, "stream": True})))
     took = time.monotonic() - t0
     assert took <= WAKE_TIMEOUT + 1.0, took
-    for code, headers, text in answers:
+    for code, headers, text in answers[:2]:
         assert code == 503, (code, text)
         assert int(headers["Retry-After"]) >= 1, headers
         msg = json.loads(text)["error"]["message"]
         assert "could not start a replica of pool agg" in msg and "die_at_start" in msg, msg
+    for code, _headers, text in answers[2:]:
+        # the streams had their 200 with the first keep-alive: the failure is their error event
+        assert code == 200, (code, text)
+        assert text.startswith(": waiting for the model to wake up\n\n"), text[:200]
+        events = [line for line in text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", events
+        err = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert err["code"] == 503 and "die_at_start" in err["message"], err
     code, health = d.health()
     assert code == 503 and health["status"] == "unhealthy" and "die_at_start" in health["wake_error"], health
     # the same answer at once while the failure is fresh: no new spawn per request
     code, headers, text = post(f"{d.url}/v1/chat/completions", body, timeout=5)
     assert code == 503 and "die_at_start" in text, (code, text)
     with contextlib.suppress(Exception):
-        write_topology(topo, "idle_stop = 2.0")
+        write_topology(topo, "idle_stop = 2.0", keepalive=0.2)
