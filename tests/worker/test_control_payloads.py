@@ -95,10 +95,17 @@ async def assert_refused(bus: BusContext, verb: str, bad: list[tuple[bytes, str]
         await unchanged()
 
 
-async def registered(bus: BusContext, instance: str = "w1") -> bool:
+async def registry_status(bus: BusContext, instance: str = "w1") -> str | None:
+    """The status the instance's registry record says (None: no record)."""
     reg = Registry(bus.js, bus.subjects.bucket_instances)
     await reg.ensure()
-    return await reg.get(instance) is not None
+    data = await reg.get(instance)
+    return None if data is None else json.loads(data).get("status", "ready")  # omitted: the default
+
+
+async def registered(bus: BusContext, instance: str = "w1") -> bool:
+    """Registered as routable: a sleeping worker keeps its record, as "sleeping", and routers skip it."""
+    return await registry_status(bus, instance) == "ready"
 
 
 async def health(bus: BusContext) -> str:
@@ -132,6 +139,7 @@ async def test_sleep_refuses_bad_payloads_and_stays_awake(bus: BusContext, worke
     # the valid forms still work
     assert (await ok(bus, C.VERB_SLEEP, b'{"level":1}'))["message"] == "asleep at level 1"
     assert await health(bus) == "sleeping" and not await registered(bus) and slept == [1]
+    assert await registry_status(bus) == "sleeping"  # out of routing, still seen by readiness and wakers
     assert (await ok(bus, C.VERB_WAKE_UP, b"{}"))["message"] == "awake"
     assert (await ok(bus, C.VERB_SLEEP, b"{}"))["message"] == "asleep at level 1"  # {}: the defaults
     assert slept == [1, 1]
