@@ -151,14 +151,26 @@ async def test_planner_scales_a_pool_from_zero_and_back(tmp_path_factory: pytest
             assert not grown, grown
         assert not w.bad, w.bad[:5]
         assert {"cold", "healthy"} <= w.statuses, w.statuses
-        # the planner is the waker: no waker actor beside it
-        kids = (await nats_json(d, f"{d.namespace}.supervisor.local.children"))["children"]
-        assert not [c for c in kids if c["id"] == "waker"], kids
+        # the planner is the waker: no waker actor beside it (`nats micro ls` lists no "waker"), while
+        # the planner's service answers the same ping
+        assert await _micro_ping(d, "planner") and not await _micro_ping(d, "waker")
         log = d.output(200_000)
         assert "planner: stop worker-agg-0" in log and "pool agg has no replica: spawning worker-agg-0" in log
     finally:
         shutdown(d)
     assert "Traceback" not in d.output(200_000), d.output(200_000)
+
+
+async def _micro_ping(d: Deployment, service: str) -> bool:
+    """Whether a micro service of that name answers ``$SRV.PING.<name>`` (what ``nats micro ls`` asks)."""
+    nc = await nats.connect(d.bus_url)
+    try:
+        await nc.request(f"$SRV.PING.{service}", b"", timeout=2)
+        return True
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+        return False
+    finally:
+        await nc.close()
 
 
 async def _empty(d: Deployment) -> bool:
