@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from typing import Any
 
@@ -19,10 +18,8 @@ import nats
 import pytest
 
 from tests.e2e.conftest import Deployment, http_json, shutdown
-from tests.helpers import openai_client
+from tests.e2e.test_cold_start import Watcher, assert_complete, sixteen
 
-N = 12
-MAX_TOKENS = 8
 INTERVAL = 2.0
 
 
@@ -52,67 +49,6 @@ async def until(d: Deployment, pred: Any, timeout: float, what: str) -> Any:
     pytest.fail(f"{what}: not reached in {timeout}s:\n{d.output(4000)}")
 
 
-class Watcher:
-    """/v1/models and /health every 100 ms from a thread: every answer not "listed" and 200 is kept."""
-
-    def __init__(self, d: Deployment) -> None:
-        self.d = d
-        self.bad: list[Any] = []
-        self.statuses: set[str] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                code, models = http_json(f"{self.d.url}/v1/models")
-                if code != 200 or "tiny" not in [m["id"] for m in models["data"]]:
-                    self.bad.append(("models", code, models))
-                code, health = http_json(f"{self.d.url}/health")
-                self.statuses.add(health.get("status"))
-                if code != 200:
-                    self.bad.append(("health", code, health))
-            except (OSError, ValueError) as e:
-                self.bad.append(("error", repr(e)))
-            self._stop.wait(0.1)
-
-    def __enter__(self) -> Watcher:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-
-async def burst(d: Deployment) -> list[dict[str, Any]]:
-    """N requests at once (chat and completions, half streamed): how each ended."""
-    client = openai_client(d.url, timeout=60)
-
-    async def one(i: int) -> dict[str, Any]:
-        kw: dict[str, Any] = {"model": "tiny", "max_tokens": MAX_TOKENS, "extra_body": {"ignore_eos": True}}
-        chat = i % 4 < 2
-        if i % 2 == 0:
-            kw.update(stream=True, stream_options={"include_usage": True})
-            stream = await (client.chat.completions.create(messages=[{"role": "user", "content": f"hi {i}"}], **kw)
-                            if chat else client.completions.create(prompt=f"hi {i}", **kw))
-            finish, tokens = None, None
-            async for chunk in stream:
-                if chunk.choices:
-                    finish = chunk.choices[0].finish_reason or finish
-                if chunk.usage is not None:
-                    tokens = chunk.usage.completion_tokens
-            return {"finish": finish, "tokens": tokens}
-        r = await (client.chat.completions.create(messages=[{"role": "user", "content": f"hi {i}"}], **kw)
-                   if chat else client.completions.create(prompt=f"hi {i}", **kw))
-        return {"finish": r.choices[0].finish_reason, "tokens": r.usage.completion_tokens if r.usage else None}
-
-    try:
-        return await asyncio.gather(*(one(i) for i in range(N)))
-    finally:
-        await client.close()
-
-
 @pytest.mark.slow
 async def test_planner_scales_a_pool_from_zero_and_back(tmp_path_factory: pytest.TempPathFactory) -> None:
     tmp = tmp_path_factory.mktemp("planner_zero")
@@ -131,9 +67,9 @@ async def test_planner_scales_a_pool_from_zero_and_back(tmp_path_factory: pytest
 
             # requests for the cold model: held, the planner spawns a replica at once, all served
             t0 = time.monotonic()
-            results = await burst(d)
+            results = await sixteen(d)
             took = time.monotonic() - t0
-            assert all(r["finish"] == "length" and r["tokens"] == MAX_TOKENS for r in results), results
+            assert_complete(results)
             assert len(await replicas(d)) >= 1
             assert took < 3 * INTERVAL + 10, took  # not a decision later: the demand is acted on at once
             status = await nats_json(d, f"{d.namespace}.planner.status")
