@@ -17,8 +17,8 @@ from typing import Any
 import nats
 import pytest
 
+from tests.e2e.cold_client import Watcher, assert_complete, sixteen
 from tests.e2e.conftest import Deployment, http_json, shutdown
-from tests.e2e.test_cold_start import Watcher, assert_complete, sixteen
 
 INTERVAL = 2.0
 

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.e2e.cold_client import BusLog, Watcher, assert_complete, cold_state, sixteen, wake_seconds
 from tests.e2e.conftest import Deployment, boot, shutdown
-from tests.e2e.test_cold_start import BusLog, Watcher, assert_complete, cold_state, sixteen, wake_seconds
 
 pytestmark = pytest.mark.vllm
 
