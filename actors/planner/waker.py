@@ -62,9 +62,17 @@ class BusWakeOps:
                                   headers=codec.headers_for(False))
 
 
+class _Idle(msgspec.Struct):
+    """The two fields of a ``LoadReport`` idle stop reads: the rest (its step samples above all,
+    hundreds a second under load) is skipped by the decoder, not built, in the frontend's process."""
+
+    instance: str
+    idle_s: float | None = None
+
+
 class KeeperFeed:
-    """The subscriptions that feed a keeper (demand and load reports); shared by the waker and the
-    planner."""
+    """The subscriptions that feed a keeper (demand, and load reports when a kept pool has an
+    idle stop); shared by the waker and the planner."""
 
     def __init__(self, bus: BusContext, keeper: PoolKeeper) -> None:
         self.bus = bus
@@ -73,8 +81,9 @@ class KeeperFeed:
 
     async def start(self) -> None:
         s = self.bus.subjects
-        self._subs = [await self.bus.nc.subscribe(s.wake_demand(), cb=self._on_demand),
-                      await self.bus.nc.subscribe(s.load_all(), cb=self._on_load)]
+        self._subs = [await self.bus.nc.subscribe(s.wake_demand(), cb=self._on_demand)]
+        if any(p.idle_stop is not None for p in self.keeper.pools.values()):
+            self._subs.append(await self.bus.nc.subscribe(s.load_all(), cb=self._on_load))
 
     async def stop(self) -> None:
         for sub in self._subs:
@@ -95,7 +104,7 @@ class KeeperFeed:
 
     async def _on_load(self, msg: Msg) -> None:
         try:
-            report = codec.decode(msg.data, msg.headers, W.LoadReport)
+            report = codec.decode(msg.data, msg.headers, _Idle)
         except Exception as e:  # noqa: BLE001
             log.debug("bad load report on %s: %s", msg.subject, e)
             return
