@@ -138,10 +138,14 @@ class Readiness:
         "zero" (its root runs no replica of it), or None (starting, failing, or not known).
         ``served``: the deployment has been ready (before, replicas without a record are a start)."""
         mine = [r for r in records if r.pool == p.name]
-        kids = [c for c in children.values() if (c.get("meta") or {}).get("pool") == p.name
-                and c.get("state") != "stopped"]
+        every = [c for c in children.values() if (c.get("meta") or {}).get("pool") == p.name]
+        kids = [c for c in every if c.get("state") != "stopped"]
         if mine and all(r.status == "sleeping" for r in mine) and len(kids) <= len(mine):
             return "sleep"
+        if len(kids) < len(every):
+            # a replica stopped and kept (an operator's stop, a finished checkpoint snapshot) was
+            # stopped on purpose: nothing a request should start again
+            return None
         if views_complete and not mine and (not kids or (p.idle_stop and served and all(
                 c.get("state") in ("running", "starting") for c in kids))):
             # no replica; or (idle stop) only replicas whose process runs without a record: one

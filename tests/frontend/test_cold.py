@@ -56,6 +56,18 @@ def test_a_pool_at_zero_is_cold_only_once_every_root_answered() -> None:
     assert body["pools"]["agg"]["missing"][0]["state"] == "zero"
 
 
+def test_a_replica_stopped_on_purpose_is_not_cold() -> None:
+    """An operator's stop (kept, not removed) or a checkpoint's finished snapshot: nothing a request
+    should start again, so the pool is not cold, and the deployment is not ready."""
+    r = Readiness("m", [PoolExpectation("agg", "agg", 1, idle_stop=True)], decode_fallback=False)
+    ws = workers()
+    ws.put_instance("agg-0", rec("agg-0"))
+    assert r.evaluate(ws, {"worker-agg-0": kid()}, views_complete=True)[0]
+    ws.delete_instance("agg-0")
+    ready, body = r.evaluate(ws, {"worker-agg-0": kid("stopped")}, views_complete=True)
+    assert not ready and body["status"] == "unhealthy" and "cold" not in body, body
+
+
 def test_a_replica_that_is_restarting_is_not_cold() -> None:
     r = Readiness("m", [PoolExpectation("agg", "agg", 1)], decode_fallback=False)
     ws = workers()
