@@ -46,6 +46,16 @@ class BusLog:
         assert self.nc is not None
         await self.nc.drain()
 
+    async def outcome(self, action: str, since: int = 0, timeout: float = 10.0) -> dict[str, Any]:
+        """The first outcome of ``action`` among ``outcomes[since:]``, once it has arrived: the waker
+        publishes it when the wake_up or spawn answers, which can be a little after the worker
+        registered and the held requests were served."""
+        end = time.monotonic() + timeout
+        while not (mine := [o for o in self.outcomes[since:] if o["action"] == action]):
+            assert time.monotonic() < end, f"no {action} outcome in {timeout}s: {self.outcomes}"
+            await asyncio.sleep(0.05)
+        return mine[0]
+
     async def until_no_replica(self, timeout: float = 20.0) -> None:
         """Until the root runs no replica of the pool (an idle stop drains, then removes it)."""
         end = time.monotonic() + timeout

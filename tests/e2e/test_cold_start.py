@@ -83,16 +83,16 @@ async def test_asleep_worker_is_woken_by_requests(asleep: Deployment) -> None:
                 assert "sleep deepened to level 2" in d.output(200_000)
             _, body = d.health()
             assert body["pools"]["agg"]["missing"][0]["state"] == "sleeping", body
-            before = len(bus.demands)
+            before, seen = len(bus.demands), len(bus.outcomes)
             with Watcher(d) as w:
                 results = await sixteen(d)
             assert_complete(results)
             assert not w.bad and w.polls, (w.bad, w.polls)
-            wakes = [o for o in bus.outcomes if o["action"] == "wake"]
-            assert wakes and wakes[-1]["outcome"] == "ok", bus.outcomes
+            wake = await bus.outcome("wake", since=seen)
+            assert wake["outcome"] == "ok", bus.outcomes
             # the first token of every request within the wake time + 1 s
             worst = max(r["first"] for r in results)
-            assert worst <= wakes[-1]["seconds"] + 1.0, (worst, wakes[-1])
+            assert worst <= wake["seconds"] + 1.0, (worst, wake)
             assert len(bus.demands) - before == 1, bus.demands  # once per cold period, not per request
             assert bus.demands[-1]["model"] == "tiny"
     assert wake_seconds(d).get("sleep") == 2.0, http_text(f"{d.url}/metrics")[-3000:]
@@ -109,11 +109,11 @@ async def test_pool_at_zero_is_started_by_requests(scaled: tuple[Deployment, Pat
             assert stops and stops[-1]["outcome"] == "ok", bus.outcomes
             results = await sixteen(d)
             assert_complete(results)
-            spawns = [o for o in bus.outcomes if o["action"] == "spawn"]
-            assert spawns and spawns[-1]["outcome"] == "ok", bus.outcomes
+            spawn = await bus.outcome("spawn")
+            assert spawn["outcome"] == "ok", bus.outcomes
             # the first token within the engine's load time (the spawn, ready included) + 2 s
             worst = max(r["first"] for r in results)
-            assert worst <= spawns[-1]["seconds"] + 2.0, (worst, spawns[-1])
+            assert worst <= spawn["seconds"] + 2.0, (worst, spawn)
             assert len(bus.demands) == 1, bus.demands
             kids = await bus.children()
             assert [c["id"] for c in kids if (c.get("meta") or {}).get("pool") == "agg"] == ["worker-agg-0"], kids

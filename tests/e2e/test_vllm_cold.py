@@ -33,15 +33,16 @@ async def test_vllm_sleep_then_zero_and_back(vllm_cold: Deployment) -> None:
             d.wait_until(lambda: cold_state(d) == "sleep", 30, "the idle vLLM worker asleep")
             results = await sixteen(d)
             assert_complete(results)
-            wake = [o for o in bus.outcomes if o["action"] == "wake"][-1]
+            wake = await bus.outcome("wake")
             assert wake["outcome"] == "ok", bus.outcomes
             assert max(r["first"] for r in results) <= wake["seconds"] + 1.0, (results, wake)
 
             d.wait_until(lambda: cold_state(d) == "zero", 60, "the idle vLLM pool at zero replicas")
             await bus.until_no_replica(60)
+            seen = len(bus.outcomes)
             results = await sixteen(d)
             assert_complete(results)
-            spawn = [o for o in bus.outcomes if o["action"] == "spawn"][-1]
+            spawn = await bus.outcome("spawn", since=seen)
             assert spawn["outcome"] == "ok", bus.outcomes
             assert max(r["first"] for r in results) <= spawn["seconds"] + 2.0, (results, spawn)
             assert len(bus.demands) == 2, bus.demands  # one per cold period
