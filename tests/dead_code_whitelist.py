@@ -21,6 +21,7 @@ _.pre_tokenizer, _.post_processor
 _.uptime  # HealthReply
 _.ttft_p90_ms, _.itl_p90_ms, _.last_decision  # the planner's Observed and PlannerStatus
 _.wake_pending  # PlannerStatus: the keeper's wakes and idle stops in progress
+_.wakes  # PlannerStatus: the keeper's recent outcomes (read as JSON: nats req <ns>.planner.status)
 
 # result fields written to the benchmark's JSON output (bench/frontend_bench.py).
 _.latency_avg, _.wrk_cpu_s
