@@ -35,6 +35,13 @@ log = logging.getLogger(__name__)
 FAILURE_HOLD_S = 10.0  # a failed wake is answered at once (503, Retry-After) for this long
 
 
+def held_model(requested: str | None, expected: frozenset[str]) -> str | None:
+    """The deployment's model a request names (or its only one, when it names none), or None: only
+    the topology's own model is held while cold."""
+    name = requested or (next(iter(expected)) if len(expected) == 1 else None)
+    return name if name in expected else None
+
+
 class WakeFailed(NotReady):
     """The model was cold and could not be woken (or not within ``wake_timeout``)."""
 

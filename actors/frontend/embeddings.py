@@ -48,7 +48,7 @@ from actors.worker.contract import EmbedReply, EmbedRequest, EngineDead
 from bus.errors import ActorError, BadRequest, NotFound, Overloaded, RequestTimeout, Unavailable
 from config.topology import FrontendConfig, ModelConfig
 
-from .cold import ColdGate
+from .cold import ColdGate, held_model
 from .completion_flow import MIGRATABLE, BusUnavailable, Liveness, MigrationExhausted
 from .discovery import ModelEntry, Worker, WorkerSet
 from .http_guard import read_body
@@ -299,8 +299,8 @@ class EmbeddingService:
                 entry, lora, name = resolve(self.workers, req.model, self.expected)
             except NotReady:
                 # a cold model: held until a replica is back (cold.ColdGate), as chat requests are
-                held = req.model or (next(iter(self.expected)) if len(self.expected) == 1 else None)
-                if self.cold is None or held not in self.expected or not await self.cold.hold(held):
+                held = held_model(req.model, self.expected)
+                if self.cold is None or held is None or not await self.cold.hold(held):
                     raise
                 entry, lora, name = resolve(self.workers, req.model, self.expected)
             if lora is not None:  # an embed worker loads no adapters: the base model's vector would be a lie

@@ -24,7 +24,7 @@ from config.topology import FrontendConfig, ModelConfig
 
 from .api_shape import ApiShape
 from .choices import Arrival, Choice, build_choices, merged
-from .cold import ColdGate
+from .cold import ColdGate, held_model
 from .completion_flow import FlowDeps, WorkerLink
 from .discovery import WorkerSet
 from .http_guard import read_body
@@ -154,10 +154,8 @@ class CompletionPipeline:
     async def _hold(self, model: str | None, early: _EarlyStream | None) -> bool:
         """Hold a request for a cold model until it serves (``cold.ColdGate``); False when the model
         is not cold (the caller answers as it would have)."""
-        if self.cold is None:
-            return False
-        name = model or (next(iter(self.expected)) if len(self.expected) == 1 else None)
-        if name is None or name not in self.expected:
+        name = held_model(model, self.expected)
+        if self.cold is None or name is None:
             return False
         return await self.cold.hold(name, early.keepalive if early is not None else None)
 
