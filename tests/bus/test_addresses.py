@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from pathlib import Path
 
 import pytest
 
 from actors.worker.engine_factory import advertised_host, engine_env
 from bus import addresses
-from bus.addresses import advertised_address, is_loopback, remote_hosts, route_source
+from bus.addresses import advertised_address, hostname_address, is_loopback, remote_hosts, route_source
 from config.loader import topology_from_dict
 from config.topology import Topology
 
@@ -62,10 +63,40 @@ def test_route_source_toward_a_remote_peer_is_a_local_address() -> None:
     assert source != TEST_NET
 
 
-def test_advertised_address_is_none_or_a_bindable_non_loopback_address() -> None:
-    address = advertised_address([])
-    assert address is None or (isinstance(address, str) and _non_loopback_ip(address)
-                                and addresses._bindable(address))
+def _resolving_to(monkeypatch: pytest.MonkeyPatch, address: str) -> None:
+    """This host's name resolves to ``address`` (what /etc/hosts or DNS would say)."""
+    monkeypatch.setattr(addresses.socket, "gethostname", lambda: "this-host")
+    monkeypatch.setattr(addresses.socket, "gethostbyname",
+                        lambda name: address if name == "this-host" else "203.0.113.1")
+
+
+def _unresolvable(name: str) -> str:
+    raise socket.gaierror(socket.EAI_NONAME, f"{name}: not known")
+
+
+@pytest.mark.skipif(not _has_default_route(), reason="no default route on this machine")
+def test_a_host_name_naming_a_local_non_loopback_address_is_advertised(monkeypatch: pytest.MonkeyPatch) -> None:
+    local = route_source(TEST_NET)  # an address of one of this host's interfaces
+    assert local is not None
+    _resolving_to(monkeypatch, local)
+    assert hostname_address() == local
+    assert advertised_address([]) == local  # no peer needed: the host name answers first
+
+
+@pytest.mark.parametrize("address", ["127.0.1.1", TEST_NET])
+def test_a_host_name_naming_loopback_or_another_machine_is_not_advertised(
+        monkeypatch: pytest.MonkeyPatch, address: str) -> None:
+    # 127.0.1.1 is Debian's /etc/hosts entry for the host name; TEST_NET is no address of this host
+    _resolving_to(monkeypatch, address)
+    assert hostname_address() is None
+    assert advertised_address([]) is None
+
+
+def test_an_unresolvable_host_name_is_not_advertised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(addresses.socket, "gethostname", lambda: "this-host")
+    monkeypatch.setattr(addresses.socket, "gethostbyname", _unresolvable)
+    assert hostname_address() is None
+    assert advertised_address([]) is None
 
 
 @pytest.mark.skipif(not _has_default_route(), reason="no default route on this machine")
