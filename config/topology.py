@@ -95,6 +95,11 @@ class BusConfig(_Strict):
     kv_replicas: int | None = None
 
 
+# model.migration_wait's default, in seconds: also the frontend's when it serves a model the
+# topology does not describe (its flows and /v1/embeddings import it, so it is written once)
+MIGRATION_WAIT = 60.0
+
+
 class ModelConfig(_Strict):
     name: str  # served model name
     path: str  # local dir or HF id; "tiny" means the locally built tiny model
@@ -103,7 +108,7 @@ class ModelConfig(_Strict):
     migration_limit: int = 3
     # a stream to migrate waits this long for a worker when none is left (e.g. the only worker's
     # engine is restarting); 0 = fail at once
-    migration_wait: float = 60.0
+    migration_wait: float = MIGRATION_WAIT
     context_length: int | None = None  # defaults to the engine's max_model_len
     # disagg: serve with decode workers alone when no prefill worker is ready (or a prefill fails).
     # Off by default: a disaggregated deployment is ready only with both pools, unless allowed here.

@@ -15,6 +15,7 @@ import msgspec
 
 from actors.worker.contract import GenerateChunk
 from bus.tasks import cancel_and_wait
+from config.topology import MIGRATION_WAIT
 
 from .completion_flow import CompletionFlow, FlowDeps, FlowSpec
 from .detok import TextStream
@@ -84,7 +85,7 @@ class Choice:
 def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decode_only: bool,
                   session: str | None = None,
                   migration_limit: int, on_migrate: Callable[[], None] | None = None,
-                  on_quarantine: Callable[[], None] | None = None, migration_wait: float = 60.0) -> list[Choice]:
+                  on_quarantine: Callable[[], None] | None = None, migration_wait: float = MIGRATION_WAIT) -> list[Choice]:
     choices = []
     idx = 0
     for p, (ids, text) in enumerate(plan.prompts):

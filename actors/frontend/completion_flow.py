@@ -40,6 +40,7 @@ from bus.errors import (
     TransportError,
     Unavailable,
 )
+from config.topology import MIGRATION_WAIT
 
 from .discovery import ModelEntry, Worker, WorkerSet
 from .encode_step import EncodeLink, encode_images, with_outputs
@@ -116,7 +117,7 @@ class FlowSpec:
     session: str | None = None  # x-dynamo-session-id (soft affinity in the kv router)
     allow_decode_only: bool = True
     migration_limit: int = 3
-    migration_wait: float = 60.0
+    migration_wait: float = MIGRATION_WAIT
     prompt_embeds: str | None = None  # base64 torch tensor (a /v1/completions prompt_embeds)
     chat: ChatPrompt | None = None  # text mode: a chat the worker renders with the chat template
     mm: MultiModalInput | None = None  # the images of token_ids (expanded by the frontend's processor)

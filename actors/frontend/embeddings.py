@@ -46,7 +46,7 @@ from vllm.exceptions import VLLMValidationError
 from actors.engines.protocol import SamplingOptions
 from actors.worker.contract import EmbedReply, EmbedRequest, EngineDead
 from bus.errors import ActorError, BadRequest, NotFound, Overloaded, RequestTimeout, Unavailable
-from config.topology import FrontendConfig, ModelConfig
+from config.topology import MIGRATION_WAIT, FrontendConfig, ModelConfig
 
 from .cold import ColdGate, held_model
 from .completion_flow import MIGRATABLE, BusUnavailable, Liveness, MigrationExhausted
@@ -370,7 +370,7 @@ class EmbeddingService:
     def _settings(self, entry: ModelEntry) -> tuple[int, float]:
         mc = self.model_config if self.model_config and self.model_config.name == entry.name else None
         return (mc.migration_limit if mc is not None else entry.card.migration_limit,
-                mc.migration_wait if mc is not None else 60.0)
+                mc.migration_wait if mc is not None else MIGRATION_WAIT)
 
     async def _embed_one(self, plan: EmbedPlan, inp: _Input, target: str | None,
                          on_migrate: Callable[[], None] | None,

@@ -20,7 +20,7 @@ import aiohttp
 from aiohttp import web
 
 from bus.errors import ActorError, Overloaded
-from config.topology import FrontendConfig, ModelConfig
+from config.topology import MIGRATION_WAIT, FrontendConfig, ModelConfig
 
 from .api_shape import ApiShape
 from .choices import Arrival, Choice, build_choices, merged
@@ -209,7 +209,7 @@ class CompletionPipeline:
             migration_limit=mc.migration_limit if mc is not None else entry.card.migration_limit,
             on_migrate=series.migrations.inc,
             on_quarantine=series.quarantined.inc,
-            migration_wait=mc.migration_wait if mc is not None else 60.0)
+            migration_wait=mc.migration_wait if mc is not None else MIGRATION_WAIT)
 
     async def _frames(self, out: ResponseBuilder, first: Arrival | None, arrivals: AsyncIterator[Arrival],
                       t_first: float) -> AsyncIterator[tuple[list[bytes], bool]]:
