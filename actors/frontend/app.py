@@ -16,7 +16,6 @@ from bus.errors import ActorError, BadRequest
 from config import secrets
 from config.topology import FrontendConfig, ModelConfig
 
-from .completion_flow import WorkerLink
 from .discovery import WorkerSet
 from .http_guard import json_error, read_body
 from .messages_api import PATH as MESSAGES_PATH
@@ -32,6 +31,7 @@ from .responses_api import ResponsesShape
 from .responses_api import not_found as responses_not_found
 from .routing import Router
 from .tokenize_api import Tokenization
+from .worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 

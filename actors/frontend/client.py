@@ -28,8 +28,8 @@ from bus.context import BusContext
 from bus.errors import Unavailable
 from bus.stream import StreamCall, stream_request
 
-from .completion_flow import Liveness
 from .discovery import Worker
+from .worker_link import Liveness
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,15 @@
   restarted and lost the stream, or the worker took the caller for gone) stays a valid target;
   one that died, or stalled, or refused, is excluded until it comes back as a new incarnation.
 - containment: a request whose serving workers died twice while serving it is not sent again
-  (``actors.frontend.quarantine``).
+  (``actors.frontend.quarantine``); a request that saw one death (a suspect) goes to a worker only
+  while no other suspect is on probation there (``actors.frontend.suspects``), so that the
+  innocent ones are never beside the guilty one when it kills its second worker.
+- a stream that stalls before the worker answered anything lost its request (published into a
+  connection a bus restart cut: a live worker heartbeats every stall/3 seconds whatever its engine
+  does); a worker that answers the probe gets it again.
+- waiting for a worker: once every worker has failed the request, the flow waits up to
+  ``migration_wait`` only for one that died (its supervisor restarts it) or left the pool; workers
+  that failed it but still run (refused, unreachable) are not waited for: 503 + Retry-After.
 - a request issued while this process is cut off from the bus waits (at most a stall timeout)
   for the reconnect, then fails with 503 + Retry-After.
 Closing the generator closes the worker stream, which publishes the cancel to the worker.
@@ -24,8 +32,6 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import Any, Protocol
 
 import msgspec
 
@@ -43,38 +49,16 @@ from bus.errors import (
 from config.topology import MIGRATION_WAIT
 
 from .discovery import ModelEntry, Worker, WorkerSet
-from .encode_step import EncodeLink, encode_images, with_outputs
+from .encode_step import encode_images, with_outputs
 from .quarantine import DEATHS_TO_QUARANTINE, Quarantine, fingerprint
 from .routing import Router
+from .suspects import Probation
+from .worker_link import Liveness, WorkerLink, WorkerStream
 
 log = logging.getLogger(__name__)
 
 # Errors after which the same request can be re-sent elsewhere (the worker, not the request, failed).
 MIGRATABLE = (TransportError, EngineDead, Overloaded)
-
-
-class WorkerStream(Protocol):
-    instance: str | None
-
-    def __aiter__(self) -> Any: ...
-
-    async def aclose(self) -> None: ...
-
-
-class Liveness(Enum):
-    ALIVE = "alive"  # the worker's process answered on the bus
-    DEAD = "dead"  # nobody is subscribed to its verbs, and the bus has been up long enough to say so
-    UNKNOWN = "unknown"  # no answer in time (busy, or the bus is down): no verdict
-
-
-class WorkerLink(EncodeLink, Protocol):
-    """The flow's view of the bus (``actors.frontend.client.WorkerClient``)."""
-
-    def stream(self, worker: Worker, req: GenerateRequest) -> WorkerStream: ...
-
-    async def connected(self) -> bool: ...
-
-    async def liveness(self, worker: Worker) -> Liveness: ...
 
 
 class MigrationExhausted(ActorError):
@@ -103,6 +87,7 @@ class FlowDeps:
     router: Router
     link: WorkerLink
     quarantine: Quarantine = field(default_factory=Quarantine)
+    probation: Probation = field(default_factory=Probation)
 
 
 @dataclass
@@ -146,6 +131,7 @@ class FlowState:
     failed: set[str] = field(default_factory=set)
     failed_incarnation: dict[str, float] = field(default_factory=dict)  # instance -> its started_at
     deaths: list[str] = field(default_factory=list)  # workers that died while serving this request
+    gone: set[str] = field(default_factory=set)  # failed workers that died (their supervisor restarts them)
 
 
 class CompletionFlow:
@@ -156,6 +142,7 @@ class CompletionFlow:
         self.router = deps.router
         self.link = deps.link
         self.quarantine = deps.quarantine
+        self.probation = deps.probation
         self.on_migrate = on_migrate
         self.on_quarantine = on_quarantine
         self._fp: str | None = None
@@ -257,36 +244,47 @@ class CompletionFlow:
                     and not any(w.instance not in st.failed for w in pool)):
                 # the worker died (not refused): wait for it, or another, to come back
                 pool = await self._wait_for_worker()
+            suspect = bool(st.deaths)  # its worker died under it: on probation on the next one
+            if suspect:
+                pool = await self._probation_pool(pool, target)
             req = self._request(prefill, produced, produced_text)
             router = self.router
             worker = router.choose(pool, req.token_ids, st.failed, target=target, lora=spec.lora, mm=self._mm_spans,
                                    request_id=req.request_id, session=spec.session)
-            call = self.link.stream(worker, req)
-            first = True
-            answered = False  # the worker took the request (a chunk, a heartbeat or an error came back)
+            if suspect:
+                self.probation.hold(worker, spec.request_id)
             try:
-                async for chunk in call:
-                    answered = True
-                    st.worker_instance = call.instance or worker.instance
-                    self._account(chunk, first_attempt=not produced and st.migrations == 0)
-                    produced.extend(chunk.token_ids)
-                    if chunk.token_ids:
-                        router.tokens(req.request_id, len(chunk.token_ids), first)  # type: ignore[arg-type]
-                        first = False
-                    if chunk.text:
-                        produced_text.append(chunk.text)
-                    yield chunk
-                    if chunk.finish_reason is not None:
-                        return
-                # ended cleanly without a finish reason: the worker lost the request
-                err = TransportError(f"stream from {worker.instance} ended without a finish reason")
-            except MIGRATABLE as e:
-                err = e
+                call = self.link.stream(worker, req)
+                first = True
+                answered = False  # the worker took the request (a chunk, a heartbeat or an error came back)
+                try:
+                    async for chunk in call:
+                        if not answered and suspect:  # the engine took it and ran its prompt
+                            self.probation.release(worker, spec.request_id)
+                        answered = True
+                        st.worker_instance = call.instance or worker.instance
+                        self._account(chunk, first_attempt=not produced and st.migrations == 0)
+                        produced.extend(chunk.token_ids)
+                        if chunk.token_ids:
+                            router.tokens(req.request_id, len(chunk.token_ids), first)  # type: ignore[arg-type]
+                            first = False
+                        if chunk.text:
+                            produced_text.append(chunk.text)
+                        yield chunk
+                        if chunk.finish_reason is not None:
+                            return
+                    # ended cleanly without a finish reason: the worker lost the request
+                    err = TransportError(f"stream from {worker.instance} ended without a finish reason")
+                except MIGRATABLE as e:
+                    err = e
+                finally:
+                    router.finished(req.request_id)  # type: ignore[arg-type]
+                    await call.aclose()
+                answered = answered or call.instance is not None
+                await self._judge(worker, err, answered)
             finally:
-                router.finished(req.request_id)  # type: ignore[arg-type]
-                await call.aclose()
-            answered = answered or call.instance is not None
-            await self._judge(worker, err, answered)
+                if suspect:  # a no-op when its first chunk or its death released it
+                    self.probation.release(worker, spec.request_id)
             remaining = spec.sampling.max_tokens - len(produced)
             if st.migrations >= spec.migration_limit:
                 if not produced and st.migrations == 0 and isinstance(err, Overloaded):
@@ -331,24 +329,40 @@ class CompletionFlow:
         failure was the bus's, and count its death if it died while serving the request. Raises
         PoisonRequest once the request has seen DEATHS_TO_QUARANTINE deaths."""
         st = self.state
+        verdict: Liveness | None = None  # asked only when the error leaves it open
         if isinstance(err, EngineDead):
             died = True
         elif isinstance(err, Overloaded):  # refused: busy, draining, asleep; not a death
             died = False
         else:
             verdict = await self.link.liveness(worker)
-            # silent for the whole stall timeout while its process lives on: a stuck engine
-            stuck = isinstance(err, StreamStalled) and not isinstance(err, ResponderGone)
+            # silent for the whole stall timeout after it answered, while its process lives on: a
+            # stuck worker. Silent from the start, it never had the request: a live worker beats
+            # every stall/3 seconds whatever its engine does, so the request (published into a
+            # connection that a bus restart cut) or every answer to it was lost.
+            stuck = isinstance(err, StreamStalled) and not isinstance(err, ResponderGone) and answered
             if verdict is Liveness.ALIVE and not stuck:
-                # the bus lost the stream (a restart, a gap), or the worker dropped it taking us
-                # for gone: it may serve the rest
+                # the bus lost the request or the stream (a restart, a gap), or the worker dropped
+                # it taking us for gone: it may serve the rest
                 return
             # "no responders" to the request itself, before any answer: it never reached a live
             # worker (a record that outlived its process), so no death coincided with it
             died = verdict is Liveness.DEAD and (answered or not isinstance(err, Unavailable))
         st.failed.add(worker.instance)
         st.failed_incarnation[worker.instance] = worker.started_at
+        if died or verdict is Liveness.DEAD:
+            st.gone.add(worker.instance)
         if not died:
+            return
+        rid = self.spec.request_id
+        culprit = self.probation.on_probation(worker)
+        if culprit == rid:
+            self.probation.release(worker, rid, died=True)  # the death is this suspect's
+        elif culprit is not None and st.deaths:
+            # another suspect was on probation there as it died: the death is that one's, not
+            # this suspect's, which passed its own probation there
+            log.info("request %s: %s died with request %s on probation there; not counted against it",
+                     rid, worker.instance, culprit)
             return
         st.deaths.append(worker.instance)
         if len(st.deaths) >= DEATHS_TO_QUARANTINE:
@@ -366,20 +380,48 @@ class CompletionFlow:
 
     async def _wait_for_worker(self) -> list[Worker]:
         """Every worker this request could use has failed it: wait (bounded) for one to come back
-        (the only worker's engine restarted in place, or its process restarted under a new id)."""
+        (the only worker's engine restarted in place, or its process restarted under a new id).
+        Only a worker that died or left the pool comes back; one that failed the request but still
+        runs (it refused it, or never answered the probe) will not be replaced, so nothing is
+        waited for then: 503 with Retry-After, at once."""
         spec, st = self.spec, self.state
         loop = asyncio.get_running_loop()
         deadline = loop.time() + spec.migration_wait
-        log.info("request %s: no worker left to migrate to; waiting up to %.0fs for one",
-                 spec.request_id, spec.migration_wait)
+        logged = False
         while True:
             pool = self._pool("serve")
             self._forgive_restarted(pool)
             if any(w.instance not in st.failed for w in pool):
                 return pool
+            present = {w.instance for w in pool}
+            if not any(i in st.gone or i not in present for i in st.failed):
+                raise Overloaded(f"no worker can take this request now: {', '.join(sorted(st.failed))} "
+                                 f"failed it and still run; try again")
             if loop.time() >= deadline:
                 raise Overloaded(f"no worker came back within {spec.migration_wait:g}s to continue the stream")
+            if not logged:
+                log.info("request %s: no worker left to migrate to; waiting up to %.0fs for one to come back",
+                         spec.request_id, spec.migration_wait)
+                logged = True
             await asyncio.sleep(0.1)
+
+    async def _probation_pool(self, pool: list[Worker], target: str | None) -> list[Worker]:
+        """The workers a suspect may go to: those with no other suspect on probation; waits for
+        one to be released (each is, at its suspect's first chunk or the end of its attempt)."""
+        spec, st = self.spec, self.state
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + spec.migration_wait
+        while True:
+            usable = [w for w in pool if w.instance not in st.failed and (target is None or w.instance == target)]
+            free = self.probation.free(usable)
+            if free or not usable:  # none usable at all: the router says so (503)
+                return free or pool
+            if loop.time() >= deadline:
+                raise Overloaded(f"request {spec.request_id}: no worker free of another suspect "
+                                 f"within {spec.migration_wait:g}s")
+            await self.probation.released(0.1)
+            pool = self._pool("serve")
+            self._forgive_restarted(pool)
 
     def _request(self, prefill: PrefillResult | None, produced: list[int],
                  produced_text: list[str]) -> GenerateRequest:

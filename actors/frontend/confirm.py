@@ -26,8 +26,8 @@ from bus.registry import Registry
 from bus.tasks import cancel_and_wait
 
 from .client import ask
-from .completion_flow import Liveness
 from .discovery import WorkerSet
+from .worker_link import Liveness
 
 log = logging.getLogger(__name__)
 

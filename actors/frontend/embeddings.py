@@ -49,7 +49,7 @@ from bus.errors import ActorError, BadRequest, NotFound, Overloaded, RequestTime
 from config.topology import MIGRATION_WAIT, FrontendConfig, ModelConfig
 
 from .cold import ColdGate, held_model
-from .completion_flow import MIGRATABLE, BusUnavailable, Liveness, MigrationExhausted
+from .completion_flow import MIGRATABLE, BusUnavailable, MigrationExhausted
 from .discovery import ModelEntry, Worker, WorkerSet
 from .http_guard import read_body
 from .limits import card_limits, check_prompt
@@ -60,6 +60,7 @@ from .planning import NotReady, resolve
 from .preprocess import ModelPreprocessors, Preprocessor
 from .quarantine import DEATHS_TO_QUARANTINE, Quarantine, fingerprint
 from .responses import WORKER_HEADER
+from .worker_link import Liveness
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from config.topology import MIGRATION_WAIT, FrontendConfig, ModelConfig
 from .api_shape import ApiShape
 from .choices import Arrival, Choice, build_choices, merged
 from .cold import ColdGate, held_model
-from .completion_flow import FlowDeps, WorkerLink
+from .completion_flow import FlowDeps
 from .discovery import WorkerSet
 from .http_guard import read_body
 from .media import has_media, load_images, malformed_allow_urls, media_session
@@ -39,6 +39,7 @@ from .preprocess import ModelPreprocessors, Preprocessor
 from .quarantine import Quarantine
 from .responses import SESSION_HEADER, SSE_DONE, WORKER_HEADER, ResponseBuilder
 from .routing import Router
+from .worker_link import WorkerLink
 
 log = logging.getLogger(__name__)
 
