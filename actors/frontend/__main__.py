@@ -4,6 +4,8 @@
         [--http 127.0.0.1:8000] [--router round_robin] [--model tiny --model-path tiny]
 
 The supervisor starts FrontendActor itself from the topology; this entry is for running it alone.
+Every default is the topology's (``config.topology``), so a frontend run alone behaves as one a
+topology starts with the same settings left out.
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ import argparse
 import asyncio
 import logging
 import signal
+import typing
+from typing import Any
+
+import msgspec
 
 from bus import event_loop
 from bus.context import open_context
-from config.topology import BusAuth, BusConfig, FrontendConfig, ModelConfig
+from config.topology import BusAuth, BusConfig, FrontendConfig, ModelConfig, Topology
 
 from .actor import FrontendActor
 
@@ -41,16 +47,26 @@ async def amain(args: argparse.Namespace) -> None:
     await bus.close()
 
 
-def main() -> None:
+def default(struct: type[msgspec.Struct], name: str) -> Any:
+    """A field's default in the topology schema (one place for each default)."""
+    for f in msgspec.structs.fields(struct):
+        if f.name == name:
+            return f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+    raise KeyError(f"{struct.__name__} has no field {name!r}")
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m actors.frontend")
-    p.add_argument("--nats", default="nats://127.0.0.1:4222")
-    p.add_argument("--namespace", default="dynamo")
-    p.add_argument("--host", default="local")
-    p.add_argument("--http", default="127.0.0.1:8000")
-    p.add_argument("--router", default="round_robin", choices=["round_robin", "random", "direct"])
+    p.add_argument("--nats", default=f"nats://127.0.0.1:{default(BusConfig, 'port')}",
+                   help="the bus (default: %(default)s, where a topology embeds its server)")
+    p.add_argument("--namespace", default=default(Topology, "namespace"))
+    p.add_argument("--host", default=default(FrontendConfig, "host"))
+    p.add_argument("--http", default=default(FrontendConfig, "http"))
+    p.add_argument("--router", default=default(FrontendConfig, "router"),
+                   choices=typing.get_args(typing.get_type_hints(FrontendConfig)["router"]))
     p.add_argument("--model", default=None, help="served name whose tokenizer is configured here")
     p.add_argument("--model-path", default=None, help="tokenizer/model dir ('tiny' = the tiny model)")
-    p.add_argument("--migration-limit", type=int, default=3)
+    p.add_argument("--migration-limit", type=int, default=default(ModelConfig, "migration_limit"))
     # secrets by file or environment, never on this command line (any local user can read it)
     p.add_argument("--api-key-file", default=None, help="file holding the bearer key for /v1/*")
     p.add_argument("--api-key-env", default=None, help="environment variable holding the bearer key")
@@ -59,9 +75,13 @@ def main() -> None:
     p.add_argument("--bus-password-file", default=None)
     p.add_argument("--bus-nkey-seed", default=None, help="nkey seed file")
     p.add_argument("--bus-creds", default=None, help=".creds file")
-    p.add_argument("--stall-timeout", type=float, default=10.0)
+    p.add_argument("--stall-timeout", type=float, default=default(FrontendConfig, "stall_timeout"))
     p.add_argument("--log-level", default="INFO")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     event_loop.run(amain(args))
 
