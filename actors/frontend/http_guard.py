@@ -50,7 +50,7 @@ from typing import Any, cast
 from aiohttp import web
 from aiohttp.http import HttpProcessingError
 
-from bus.errors import ActorError, BadRequest, ClientTimeout, Overloaded, PayloadTooLarge
+from bus.errors import ActorError, BadRequest, ClientTimeout, Overloaded, PayloadTooLarge, RecoverableError
 from config.topology import FrontendConfig
 
 from .handoff import HandedConnections
@@ -101,12 +101,31 @@ def json_error(err: ActorError, body: bytes | None = None) -> web.Response:
                         headers=_error_headers(err))
 
 
+class UnsupportedMediaType(RecoverableError, code=415, kind="invalid_request_error"):
+    """A request body not declared as JSON (its Content-Type, or none)."""
+
+
+# vllm serve's words (vllm/entrypoints/serve/utils/api_utils.py validate_json_request), which it
+# sends with a 400 inside a pydantic-style "1 validation error:" message; 415 is HTTP's status for it
+NOT_JSON = "Unsupported Media Type: Only 'application/json' is allowed"
+
+
+def check_json_type(content_type: str | None) -> None:
+    """Refuse a body whose Content-Type is not application/json, as vllm serve does on every POST
+    route: the media type before any parameter, in any case (``; charset=utf-8`` is fine); a missing
+    header, ``text/json`` or ``application/*+json`` are refused too. A header split, no body read."""
+    if (content_type or "").split(";", 1)[0].strip().lower() != "application/json":
+        raise UnsupportedMediaType(NOT_JSON)
+
+
 async def read_body(request: web.BaseRequest, timeout: float, limit: int, metrics: FrontendMetrics) -> bytes:
-    """The request body, received within ``timeout`` seconds (408 otherwise) and at most ``limit``
-    bytes (413: told by Content-Length before reading, or by aiohttp's ``client_max_size`` while
-    reading a chunked body). A body aiohttp's parser refuses mid-way (an undecodable
-    Content-Encoding) is a 400. Its C parser does not pass chunk framing errors that arrive after the
-    head to the body's reader: those end at the timeout."""
+    """The request body, which every POST route here reads as JSON: not declared so, it is a 415
+    before anything is read (``check_json_type``). Received within ``timeout`` seconds (408 otherwise)
+    and at most ``limit`` bytes (413: told by Content-Length before reading, or by aiohttp's
+    ``client_max_size`` while reading a chunked body). A body aiohttp's parser refuses mid-way (an
+    undecodable Content-Encoding) is a 400. Its C parser does not pass chunk framing errors that
+    arrive after the head to the body's reader: those end at the timeout."""
+    check_json_type(request.headers.get("Content-Type"))
     too_large = PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
     if request.content_length is not None and request.content_length > limit:
         raise too_large
