@@ -75,6 +75,15 @@ def test_every_post_route_refuses_a_body_not_declared_json(http: httpx.Client, p
         assert r.status_code == (400 if path == "/v1/embeddings" else 200), (ctype, r.text)
 
 
+def test_a_large_body_not_declared_json_gets_its_answer(http: httpx.Client) -> None:
+    # refused before its body is read: the connection closes after the answer, which must still
+    # reach a client that is sending 4 MiB (the guard lingers; no reset), and a next request is served
+    body = {**ROUTES["/v1/completions"], "prompt": "word " * (4 << 18)}
+    r = post(http, "/v1/completions", body, "text/plain")
+    assert r.status_code == 415 and r.json()["error"]["message"] == NOT_JSON, r.text
+    assert post(http, "/v1/completions", ROUTES["/v1/completions"]).status_code == 200
+
+
 def test_accepted_inputs_are_served(http: httpx.Client) -> None:
     chat = ROUTES["/v1/chat/completions"]
     r = post(http, "/v1/chat/completions", {**chat, "messages": [{"role": "wizard", "content": "hi"}]})
