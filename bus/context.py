@@ -42,7 +42,9 @@ class BusContext:
 
 
 async def open_context(cfg: BusConfig | str, namespace: str, host: str, name: str,
-                       kv_replicas: int = 1) -> BusContext:
-    nc = await connect(cfg, name, inbox_prefix=inbox_prefix(namespace))
+                       kv_replicas: int = 1, inbox_owner: str | None = None) -> BusContext:
+    """``inbox_owner``: replies to this process arrive under a prefix of its own (a scoped worker's
+    user may read nothing else)."""
+    nc = await connect(cfg, name, inbox_prefix=inbox_prefix(namespace, inbox_owner))
     return BusContext(nc=nc, js=nc.jetstream(), subjects=Subjects(namespace), namespace=namespace, host=host,
                       kv_replicas=kv_replicas)

@@ -196,6 +196,8 @@ class EmbeddedNats:
     # a fixed server name (a JetStream cluster member: its peers know it by name across restarts);
     # default: ``<name>-<port>-<random>``, new on every start
     server_name: str | None = None
+    # added to the server's environment (its config may name them as ``$NAME``: the callout's issuer)
+    env: dict[str, str] = field(default_factory=dict)
     _proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     _lock: StoreLock | None = field(default=None, init=False)
     _stopping: bool = field(default=False, init=False)
@@ -254,6 +256,7 @@ class EmbeddedNats:
             assert self._lock.fd is not None
             self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL, start_new_session=True,
+                                          env={**os.environ, **self.env} if self.env else None,
                                           preexec_fn=_die_with_parent, pass_fds=(self._lock.fd,))
         except BaseException:
             self._release()

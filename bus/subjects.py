@@ -45,6 +45,45 @@ def stream_batch_subject(caller: str) -> str:
 
 # JetStream's account info request: answered once JetStream is available (a cluster: a meta leader)
 JS_API_INFO = "$JS.API.INFO"
+# nats-server's auth callout: the server asks here (in the connecting client's account) whether to
+# admit a client its own config does not know (bus.auth_callout)
+AUTH_CALLOUT = "$SYS.REQ.USER.AUTH"
+# micro-service discovery requests ($SRV.PING|INFO|STATS[.<name>[.<id>]]) every service answers
+SRV_ALL = "$SRV.>"
+
+
+def kv_stream(bucket: str) -> str:
+    """The JetStream stream behind a KV bucket."""
+    return f"KV_{bucket}"
+
+
+def kv_key(bucket: str, key: str) -> str:
+    """Where a put, delete or purge of ``key`` in ``bucket`` is published."""
+    return f"$KV.{bucket}.{key}"
+
+
+def js_stream_info(stream: str) -> str:
+    return f"$JS.API.STREAM.INFO.{stream}"
+
+
+def js_direct_get(stream: str) -> str:
+    """Direct gets of a stream's messages (``<this>.<subject>``: the last message of a key)."""
+    return f"$JS.API.DIRECT.GET.{stream}.>"
+
+
+def js_msg_get(stream: str) -> str:
+    """A message of a stream read from its leader (``STREAM.MSG.GET``)."""
+    return f"$JS.API.STREAM.MSG.GET.{stream}"
+
+
+def js_consumer_create(stream: str) -> list[str]:
+    """Creating a consumer on ``stream`` (nats-py names the filter subject after the stream, or not)."""
+    return [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>"]
+
+
+def queue_permission(subject: str, queue: str) -> str:
+    """A subscribe permission that admits ``subject`` only in queue group ``queue``."""
+    return f"{subject} {queue}"
 
 
 class Subjects:
@@ -167,6 +206,9 @@ class Subjects:
         return f"{self.ns}-responses"
 
 
-def inbox_prefix(namespace: str) -> str:
-    return f"_INBOX.{check_token(namespace)}"
+def inbox_prefix(namespace: str, owner: str | None = None) -> str:
+    """Where replies to a process arrive. ``owner``: a process whose bus user may read its own
+    replies only (a scoped worker: its instance id), not the whole deployment's."""
+    prefix = f"_INBOX.{check_token(namespace)}"
+    return f"{prefix}.{check_token(owner)}" if owner is not None else prefix
 
