@@ -19,12 +19,12 @@ from bus.embedded import EmbeddedNats, free_port
 from bus.subjects import AUTH_CALLOUT
 from deploy.nats_conf import CALLOUT_ISSUER_ENV
 
-CONF = """
-authorization {
-  users = [ { user: root, password: rootpw, permissions: { publish: ">", subscribe: ">" } } ]
-  auth_callout { issuer: $%s, auth_users: [ root ] }
-}
-""" % CALLOUT_ISSUER_ENV
+CONF = f"""
+authorization {{
+  users = [ {{ user: root, password: rootpw, permissions: {{ publish: ">", subscribe: ">" }} }} ]
+  auth_callout {{ issuer: ${CALLOUT_ISSUER_ENV}, auth_users: [ root ] }}
+}}
+"""
 
 
 @pytest.fixture
