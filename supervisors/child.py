@@ -19,6 +19,13 @@ class Escalation(FatalError):
     """A supervisor gave up (restart intensity exceeded) and passes the failure to its parent."""
 
 
+class Misconfigured(FatalError):
+    """A child failed in a way its restart would repeat: its configuration is rejected (an engine
+    arg the engine refuses). A supervisor without ``misconfigured_retries`` gives up at once with
+    it (a restart in place cannot help; the parent decides); one with it restarts the child that
+    many times while the failure stays the same, then stops it and keeps it listed, with the reason."""
+
+
 class NormalExit(Exception):  # noqa: N818 - an outcome, not an error
     """Raised by ``Child.wait`` for an exit that is normal but has a reason worth reporting (a worker
     whose snapshot was taken). The supervisor treats it as a normal exit and keeps the message as

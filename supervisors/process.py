@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Literal
 
 from bus.errors import FatalError
-from supervisors.child import NormalExit
+from supervisors.child import Misconfigured, NormalExit
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,10 @@ _PR_SET_PDEATHSIG = 1
 # it. Apart from Python's 1 (uncaught exception) and 2 (usage), and from 126+ (a shell's "cannot
 # run" and 128+N "killed by signal N").
 EXIT_DONE = 3
+# A child process whose configuration is rejected (a restart would fail the same way) exits with
+# this code (sysexits' EX_CONFIG); its last STATUS says what was rejected. ProcessChild reports it
+# as ``Misconfigured``, which a supervisor does not restart forever.
+EXIT_CONFIG = 78
 
 
 class ProcessExited(FatalError):
@@ -186,6 +190,7 @@ class ProcessChild:
             self._raise_if_normal(self.proc.returncode)
             # its last STATUS says why (a worker's "failed to start: <the engine's error>")
             said = f": {self.status}" if self.status else ""
+            self._raise_if_misconfigured(self.proc.returncode, f" before ready{said}")
             raise ProcessExited(f"process {self.name} {exit_reason(self.proc.returncode)} before "
                                 f"ready{said}", self.proc.returncode)
         await self.stop(None)
@@ -237,11 +242,16 @@ class ProcessChild:
         if self._stop_requested or rc == 0:
             return
         self._raise_if_normal(rc)
+        self._raise_if_misconfigured(rc, f": {self.status}" if self.status else "")
         raise ProcessExited(f"process {self.name} (pid {self.proc.pid}) {exit_reason(rc)}", rc)
 
     def _raise_if_normal(self, rc: int) -> None:
         if rc != 0 and rc in self.normal_exit_codes:
             raise NormalExit(f"{exit_reason(rc)}: {self.status}" if self.status else exit_reason(rc))
+
+    def _raise_if_misconfigured(self, rc: int, said: str) -> None:
+        if rc == EXIT_CONFIG:
+            raise Misconfigured(f"process {self.name} {exit_reason(rc)} (configuration rejected){said}")
 
     async def stop(self, timeout: float | None) -> None:
         """SIGTERM the process group, SIGKILL after ``timeout`` (at once when None)."""

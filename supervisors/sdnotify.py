@@ -18,6 +18,8 @@ import os
 import socket
 from collections.abc import Mapping
 
+from supervisors.child import Misconfigured
+from supervisors.process import EXIT_CONFIG
 from supervisors.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -124,7 +126,8 @@ async def serve_root(root: Supervisor, stop: asyncio.Event, notifier: Notifier |
     """Run ``root`` under systemd conventions until ``stop`` is set or the root gives up.
 
     Returns the process exit code: 0 after a requested shutdown, 1 when the root failed (so
-    systemd's Restart=on-failure restarts the host).
+    systemd's Restart=on-failure restarts the host), EXIT_CONFIG when it failed because a child's
+    configuration is rejected (``Misconfigured``: a worker process's parent then stops retrying it).
     """
     notifier = notifier or Notifier()
     previous = root.on_status
@@ -149,7 +152,7 @@ async def serve_root(root: Supervisor, stop: asyncio.Event, notifier: Notifier |
         if starter.exception() is not None:
             log.error("root supervisor %s failed to start: %s", root.name, starter.exception())
             notifier.status(f"failed to start: {starter.exception()}")
-            return 1
+            return _failed(starter.exception())
         notifier.ready(f"{root.name}: all children up")
         waiter = asyncio.create_task(root.wait())
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
@@ -158,7 +161,7 @@ async def serve_root(root: Supervisor, stop: asyncio.Event, notifier: Notifier |
             if exc is not None:
                 log.error("root supervisor %s gave up: %s", root.name, exc)
                 notifier.stopping(f"failed: {exc}")
-                return 1
+                return _failed(exc)
             notifier.stopping("root stopped")
             return 0
         notifier.stopping("shutting down")
@@ -171,3 +174,7 @@ async def serve_root(root: Supervisor, stop: asyncio.Event, notifier: Notifier |
         await notifier.stop_watchdog()
         root.on_status = previous
         notifier.close()
+
+
+def _failed(exc: BaseException | None) -> int:
+    return EXIT_CONFIG if isinstance(exc, Misconfigured) else 1

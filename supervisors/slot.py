@@ -33,6 +33,9 @@ class Slot:
     waiters: list[asyncio.Future[None]] = field(default_factory=list)
     # added by ``spawn`` and never up yet: a failed first start discards it (OTP's start_child)
     spawning: bool = False
+    # the same Misconfigured failure in a row (``same_as``: its reason, numbers masked); reset once up
+    misconfigured: int = 0
+    same_as: str | None = None
 
     def view(self) -> dict[str, Any]:
         """What ``Supervisor.children()`` reports for this child (nested supervisors included)."""

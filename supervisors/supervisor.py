@@ -11,6 +11,12 @@ and in order). Children whose spec says ``parallel`` (worker processes) start in
 never blocks the loop: a child waiting out its backoff is a slot with a deadline, and other events
 are handled meanwhile. What a crash leads to is the restart policy's call (supervisors/policy.py);
 stopping children on purpose is supervisors/stopping.py.
+
+A ``Misconfigured`` failure (the child's configuration is rejected: its restart would fail the same
+way) is not restarted in place forever: a supervisor gives up at once with it, so its parent
+decides, unless it has ``misconfigured_retries`` (a host's root): then the child is restarted that
+many times while the failure stays the same, and then stopped and kept, with the reason in its
+``last_exit_reason``, while its siblings go on.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 from bus.backoff import Backoff
 from bus.errors import Conflict, NotFound, Unavailable
-from supervisors.child import Child, ChildSpec, Escalation, NormalExit
+from supervisors.child import Child, ChildSpec, Escalation, Misconfigured, NormalExit
 from supervisors.mailbox import Command, Event, Mailbox
 from supervisors.policy import RestartPolicy, Strategy
 from supervisors.slot import Slot, describe, giveup_timeout
@@ -40,7 +47,8 @@ class Supervisor:
 
     def __init__(self, name: str, children: list[ChildSpec], strategy: Strategy = "one_for_one",
                  intensity: int = 5, period: float = 60.0, backoff: Any = None,
-                 on_status: Callable[[str], None] | None = None, start_concurrency: int = 4) -> None:
+                 on_status: Callable[[str], None] | None = None, start_concurrency: int = 4,
+                 misconfigured_retries: int | None = None) -> None:
         ids = [s.id for s in children]
         if len(set(ids)) != len(ids):
             raise ValueError(f"duplicate child ids in supervisor {name}: {ids}")
@@ -50,6 +58,7 @@ class Supervisor:
         self.policy = RestartPolicy(strategy, intensity, period, Backoff.of(backoff))
         self.on_status = on_status
         self.start_concurrency = start_concurrency
+        self.misconfigured_retries = misconfigured_retries
         self._slots: list[Slot] = [Slot(spec) for spec in children]
         self._mailbox = Mailbox(name)
         self._loop_task: asyncio.Task[None] | None = None
@@ -239,6 +248,8 @@ class Supervisor:
                         self.name, spec.id, reason)
             self._slots.remove(slot)
             return
+        if self._misconfigured(slot, exc, reason):
+            return
         if spec.restart == "temporary" or (spec.restart == "transient" and exc is None):
             log.info("supervisor %s: child %s exited (%s), %s: not restarted",
                      self.name, spec.id, reason, spec.restart)
@@ -272,6 +283,29 @@ class Supervisor:
             s.state, s.deadline = "restarting", now + delay
             s.restarts += 1
 
+    def _misconfigured(self, slot: Slot, exc: BaseException | None, reason: str) -> bool:
+        """Handle a Misconfigured failure: True when it ends here (this supervisor gives up, or the
+        child is stopped for good); False to restart it as any crash."""
+        if not isinstance(exc, Misconfigured):
+            slot.misconfigured, slot.same_as = 0, None
+            return False
+        spec = slot.spec
+        if self.misconfigured_retries is None:
+            slot.state = "stopped"
+            self._failure = Misconfigured(f"child {spec.id}: {exc}")
+            return True
+        same = _masked(reason)
+        slot.misconfigured = slot.misconfigured + 1 if same == slot.same_as else 1
+        slot.same_as = same
+        if slot.misconfigured <= self.misconfigured_retries:
+            return False
+        slot.state = "stopped"
+        slot.last_exit_reason = f"stopped after the same configuration error {slot.misconfigured} times: {reason}"
+        log.error("supervisor %s: child %s %s; not restarted (restart_child starts it again)",
+                  self.name, spec.id, slot.last_exit_reason)
+        self._status(f"{self.name}: {spec.id} stopped: configuration rejected")
+        return True
+
     # --- starting and stopping one child ---------------------------------------------------------
     async def _start_slot(self, slot: Slot) -> None:
         spec = slot.spec
@@ -301,6 +335,7 @@ class Supervisor:
         spec = slot.spec
         slot.child = child
         slot.spawning = False
+        slot.misconfigured, slot.same_as = 0, None
         slot.gen += 1
         slot.state = "running"
         slot.started_at, slot.started_mono = time.time(), time.monotonic()
@@ -397,3 +432,8 @@ class Supervisor:
             except Exception:
                 log.exception("on_status callback failed")
 
+
+def _masked(reason: str) -> str:
+    """A failure's reason with its numbers masked (pids, ports, the hex ids of temporary paths),
+    so that the same error met again compares equal."""
+    return re.sub(r"0x[0-9a-fA-F]+|[0-9a-f]*\d[0-9a-f]*", "#", reason)
