@@ -70,6 +70,8 @@ def check_bus(b: BusConfig, fail: Fail) -> None:
         if b.worker_auth is not None and b.worker_auth != b.auth:
             fail("bus.worker_auth", "a second user needs bus.server_config (its users and permissions) "
                  "or bus.url")
+    if b.scoped_workers:
+        _check_scoped_workers(b, fail)
     tls = b.tls
     if tls is not None:
         if (tls.cert_file is None) != (tls.key_file is None):
@@ -81,6 +83,33 @@ def check_bus(b: BusConfig, fail: Fail) -> None:
             fail("bus.tls.verify_clients", "needs server_cert_file/server_key_file and the clients' ca_file")
         for field in ("ca_file", "cert_file", "key_file", "server_cert_file", "server_key_file"):
             _readable(getattr(tls, field), f"bus.tls.{field}", fail)
+
+
+def _check_scoped_workers(b: BusConfig, fail: Fail) -> None:
+    """Per-process worker users are answered by the root over the callout of its own server."""
+    if b.worker_auth is not None:
+        fail("bus.worker_auth", "bus.scoped_workers issues every worker its own user; drop worker_auth")
+    if b.server_config is None:
+        fail("bus.scoped_workers", "needs bus.server_config: users for the root (and operators) and "
+             "an auth_callout block (see topologies/secure/roles.conf)")
+    if b.auth.kind() not in ("user", "nkey"):
+        fail("bus.auth", "bus.scoped_workers: the root answers the callout, so it must connect as "
+             "a user of server_config's auth_users (user/password or nkey)")
+
+
+def scoped_workers_problem(b: BusConfig, systemd: bool = False) -> str | None:
+    """Why a root cannot run ``bus.scoped_workers`` with this bus, if it cannot: the callout's
+    issuer is made by the root and handed to the server it embeds. Checked by the root, not by the
+    loader: worker processes load the topology with bus.url set to their host's server."""
+    if not b.scoped_workers:
+        return None
+    if systemd:
+        return ("bus.scoped_workers: the systemd nats unit is not started by the root, so it cannot "
+                "know the root's callout issuer; run the embedded server")
+    if b.url is not None:
+        return ("bus.scoped_workers: needs the embedded nats-server (no bus.url): the root hands it "
+                "the callout's issuer")
+    return None
 
 
 def check_cluster_credentials(c: BusCluster, fail: Fail) -> None:

@@ -84,6 +84,11 @@ class BusConfig(_Strict):
     auth: BusAuth = msgspec.field(default_factory=BusAuth)
     # what worker processes connect with (per-role users); default: ``auth``
     worker_auth: BusAuth | None = None
+    # each worker process connects as a user of its own, issued by its root at every start and
+    # allowed only that process's subjects (nats-server's auth callout, answered by the root:
+    # bus.auth_callout). Needs the embedded server and a server_config whose authorization block
+    # names the callout (topologies/secure/roles.conf); replaces worker_auth.
+    scoped_workers: bool = False
     tls: BusTLS | None = None
     # embedded server: a nats-server config file it includes (users and their permissions,
     # accounts, an operator and resolver for creds). With it, the file alone decides who may

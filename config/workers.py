@@ -11,18 +11,26 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
 
-from config.topology import BusConfig, PoolConfig, Topology
+from config.names import check_token
+from config.topology import BusAuth, BusConfig, PoolConfig, Topology
 
 OVERRIDES_ENV = "VLLM_ACTORS_SET"  # JSON list of "key.path=value" overrides for a worker process
 # a frontend process (frontend.processes > 1): the descriptor number of its end of the connection
 # hand-over with the root (deploy.frontends, actors.frontend.handoff)
 HANDOFF_FD_ENV = "VLLM_ACTORS_HANDOFF_FD"
 MAX_REPLICA = 1023  # replica indices a spawn may ask for (ports and names are derived from them)
+# bus.scoped_workers: what the root hands a worker process at each start, in its environment (read
+# by its owner alone): the instance id its credentials are scoped to, and its bus user and secret
+INSTANCE_ENV = "VLLM_ACTORS_INSTANCE"
+BUS_USER_ENV = "VLLM_ACTORS_BUS_USER"
+BUS_PASSWORD_ENV = "VLLM_ACTORS_BUS_PASSWORD"
 
 
 def embeds_nats(t: Topology) -> bool:
@@ -49,12 +57,35 @@ def server_name(t: Topology, host: str) -> str:
     return f"{t.namespace}-{host}"
 
 
-def worker_bus(t: Topology) -> BusConfig:
-    """What a worker process connects with: ``bus.worker_auth`` when the topology gives workers a
-    user of their own (per-role permissions), else the deployment's ``bus.auth``."""
+def worker_bus(t: Topology, env: Mapping[str, str] | None = None) -> BusConfig:
+    """What a worker process connects with: the user its root issued it (``bus.scoped_workers``,
+    handed over in ``env``), else ``bus.worker_auth`` when the topology gives workers a user of
+    their own (per-role permissions), else the deployment's ``bus.auth``."""
+    env = os.environ if env is None else env
+    user = env.get(BUS_USER_ENV)
+    if user:
+        return msgspec.structs.replace(t.bus, auth=BusAuth(user=user, password_env=BUS_PASSWORD_ENV))
     if t.bus.worker_auth is None:
         return t.bus
     return msgspec.structs.replace(t.bus, auth=t.bus.worker_auth)
+
+
+def new_instance(pool: str, replica: int) -> str:
+    """A worker process's instance id: new at every start of the process (a restarted process is a
+    new incarnation), stable across its engine's restarts."""
+    return f"{pool}-{replica}-{secrets.token_hex(3)}"
+
+
+def given_instance(pool: str, replica: int, env: Mapping[str, str] | None = None) -> str:
+    """The instance id the root chose for this process (``INSTANCE_ENV``: its bus credentials are
+    scoped to it), else a new one. A malformed one is an error naming the variable."""
+    raw = (os.environ if env is None else env).get(INSTANCE_ENV)
+    if not raw:
+        return new_instance(pool, replica)
+    try:
+        return check_token(raw)
+    except ValueError as e:
+        raise ValueError(f"{INSTANCE_ENV}: {e}") from None
 
 
 def worker_child_id(pool: str, replica: int) -> str:

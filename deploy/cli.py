@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from bus import event_loop
+from bus.auth_callout import WorkerAuthority
+from config.credentials import scoped_workers_problem
 from config.loader import TopologyError, load_topology
 from config.topology import Topology
 from config.workers import kv_replicas
@@ -78,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         name, hosts = shares(t, args.host)
     except TopologyError as e:
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    problem = scoped_workers_problem(t.bus, systemd=bool(args.emit_systemd))
+    if problem is not None:
+        print(f"error: {args.topology}: {problem}", file=sys.stderr)
         return EXIT_USAGE
     if args.emit_systemd:
         try:
@@ -147,8 +153,11 @@ class ControlChild:
 async def boot(t: Topology, topology_path: str | Path, overrides: list[str], name: str,
                hosts: list[str]) -> int:
     root_ref: list[Any] = []
+    # bus.scoped_workers: one issuer of worker users for the tree's workers and the control's spawns
+    authority = WorkerAuthority() if t.bus.scoped_workers else None
+    spawner = PoolSpawner(t, topology_path, overrides, hosts, authority)
     plan: HostPlan = plan_host(t, name, topology_path, overrides, hosts=hosts,
-                               control=_control_factory(root_ref, PoolSpawner(t, topology_path, overrides, hosts)))
+                               control=_control_factory(root_ref, spawner), authority=authority)
     s = t.supervisor
     root = Supervisor(name, build_host_tree(plan), strategy=s.strategy,
                       intensity=s.intensity, period=s.period, start_concurrency=s.start_concurrency,

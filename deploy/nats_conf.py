@@ -32,6 +32,12 @@ from bus.embedded import MAX_PAYLOAD, server_config
 from config.secrets import SecretError, password, read_secret_file, token
 from config.topology import BusAuth, BusConfig, BusTLS
 
+# bus.scoped_workers: the environment variable through which the root hands its embedded server the
+# public key that signs its answers to the auth callout; the server_config's auth_callout block names
+# it (``issuer: $VLLM_ACTORS_WORKER_ISSUER``). nats-server resolves a variable an included file
+# names from the environment, not from the including file.
+CALLOUT_ISSUER_ENV = "VLLM_ACTORS_WORKER_ISSUER"
+
 
 def nkey_public(seed_path: str) -> str:
     """The public key (U...) of a user nkey seed file."""
@@ -137,7 +143,8 @@ def write(bus: BusConfig, path: str | Path, max_payload: int = MAX_PAYLOAD, *,
 
 def describe(bus: BusConfig) -> str:
     """Who the server admits, for --check and the boot log (never a secret)."""
-    who = (f"users of {bus.server_config}" if bus.server_config
+    who = (f"users of {bus.server_config}" + (", workers as users the root issues each process (auth callout)"
+                                              if bus.scoped_workers else "") if bus.server_config
            else f"{bus.auth.kind()} auth" if bus.auth.kind() else "no auth, loopback only")
     if bus.cluster is not None:
         who = f"clients: {who}"  # routes are another matter, described below

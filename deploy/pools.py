@@ -13,15 +13,38 @@ from __future__ import annotations
 from collections.abc import Collection
 from pathlib import Path
 
+from bus.auth_callout import WorkerAuthority
 from bus.errors import BadRequest, Conflict, NotFound
 from config.topology import Topology
-from config.workers import MAX_REPLICA, worker_argv, worker_child_id, worker_env
+from config.workers import (
+    BUS_PASSWORD_ENV,
+    BUS_USER_ENV,
+    INSTANCE_ENV,
+    MAX_REPLICA,
+    new_instance,
+    worker_argv,
+    worker_child_id,
+    worker_env,
+)
+from deploy.worker_scope import worker_scope
 from supervisors.child import Child, ChildSpec
 
 
+def scoped_env(t: Topology, name: str, replica: int, authority: WorkerAuthority) -> dict[str, str]:
+    """A new incarnation's instance id and the bus user issued for it alone (``bus.scoped_workers``):
+    what its process gets in its environment. Any earlier grant of this child is revoked."""
+    pool = t.pools[name]
+    cid = worker_child_id(name, replica)
+    instance = new_instance(name, replica)
+    scope = worker_scope(t.namespace, name, instance, pool.host, cid, t.model.name if t.model else None)
+    secret = authority.issue(cid, instance, scope.publish, scope.subscribe)
+    return {INSTANCE_ENV: instance, BUS_USER_ENV: instance, BUS_PASSWORD_ENV: secret}
+
+
 def worker_spec(t: Topology, name: str, replica: int, topology_path: str | Path,
-                overrides: list[str]) -> tuple[ChildSpec, list[str]]:
-    """(child spec, argv) of replica ``replica`` of pool ``name``."""
+                overrides: list[str], authority: WorkerAuthority | None = None) -> tuple[ChildSpec, list[str]]:
+    """(child spec, argv) of replica ``replica`` of pool ``name``. ``authority``: the root's issuer
+    of per-process bus users (``bus.scoped_workers``): every start gets a user of its own."""
     pool = t.pools[name]
     argv = worker_argv(topology_path, name, replica)
     cid = worker_child_id(name, replica)
@@ -31,7 +54,8 @@ def worker_spec(t: Topology, name: str, replica: int, topology_path: str | Path,
 
     def start() -> Child:
         from supervisors.process import EXIT_DONE, ProcessChild
-        return ProcessChild(cid, argv, env=env, ready_timeout=ready_timeout,
+        full = env if authority is None else {**env, **scoped_env(t, name, replica, authority)}
+        return ProcessChild(cid, argv, env=full, ready_timeout=ready_timeout,
                             normal_exit_codes=(0, EXIT_DONE))
 
     # the worker's own shutdown drains in-flight requests first, then stops its engine
@@ -51,11 +75,12 @@ class PoolSpawner:
     (its subject names it). Everything else comes from the topology."""
 
     def __init__(self, t: Topology, topology_path: str | Path, overrides: list[str],
-                 shares: Collection[str]) -> None:
+                 shares: Collection[str], authority: WorkerAuthority | None = None) -> None:
         self.t = t
         self.topology_path = topology_path
         self.overrides = list(overrides)
         self.shares = set(shares)
+        self.authority = authority  # the root's issuer of per-process bus users (bus.scoped_workers)
 
     def spec(self, pool: str, replica: int | None, taken: Collection[str]) -> ChildSpec:
         """The child spec for the new replica, or a typed error (the pool is unknown, runs on
@@ -74,4 +99,4 @@ class PoolSpawner:
         if worker_child_id(pool, replica) in taken:
             raise Conflict(f"spawn: replica {replica} of pool {pool!r} exists already "
                            f"({worker_child_id(pool, replica)})")
-        return worker_spec(self.t, pool, replica, self.topology_path, self.overrides)[0]
+        return worker_spec(self.t, pool, replica, self.topology_path, self.overrides, self.authority)[0]

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from bus.auth_callout import WorkerAuthority
 from config.paths import nats_store, profile_dir, profile_path
 from config.topology import BackoffConfig, PoolConfig, SupervisorConfig, Topology
 from config.workers import bus_url, embeds_nats, kv_replicas, server_name
@@ -53,6 +54,10 @@ log = logging.getLogger(__name__)
 # coming (or not yet restarted); failing the start lets the supervisor count it and back off.
 BUS_CONNECT_TIMEOUT = 10.0
 
+# the root's child that runs the in-process actors (frontend, planner, waker) and the root's own
+# control service with its bus connection
+INPROC = "inproc"
+
 
 class BusLink:
     """Child owning the process's one NATS connection (a ``bus.context.BusContext``).
@@ -61,11 +66,15 @@ class BusLink:
     for good (then the in-process actors are restarted on a fresh one by ``inproc``)."""
 
     def __init__(self, t: Topology, host: str, name: str = "bus",
-                 status: Callable[[str], None] | None = None) -> None:
+                 status: Callable[[str], None] | None = None,
+                 authority: WorkerAuthority | None = None) -> None:
         self.name = name
         self.topology = t
         self.host = host
         self.status = status  # STATUS= lines while the start waits (for JetStream)
+        # bus.scoped_workers: this connection answers the server's auth callout for the workers
+        # this root starts (before any of them connects: they start after the inproc children)
+        self.authority = authority
         self.ctx: Any = None  # bus.context.BusContext once started
         self._stopped = asyncio.Event()
 
@@ -90,6 +99,8 @@ class BusLink:
                 self.status(f"bus: {text}")
 
         try:
+            if self.authority is not None:
+                await self.authority.serve(ctx.nc)
             # every actor of this process writes the registry: a cluster still electing its JetStream
             # leader (its other hosts not up yet) is waited for here, not failed actor by actor
             await wait_for_jetstream(ctx.nc, waiting)
@@ -159,17 +170,22 @@ class HostPlan:
 
 def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list[str] | None = None,
               *, hosts: list[str] | None = None,
-              control: Callable[[BusLink], Child] | None = None) -> HostPlan:
+              control: Callable[[BusLink], Child] | None = None,
+              authority: WorkerAuthority | None = None) -> HostPlan:
     """The tree for ``host`` (or, with ``hosts``, several hosts' shares in one process named
-    ``host``). ``control`` makes the root's micro service; it is called at (re)start time."""
+    ``host``). ``control`` makes the root's micro service; it is called at (re)start time.
+    ``authority``: the root's issuer of per-process worker users (``bus.scoped_workers``; made here
+    when not given), shared with the control service's spawns."""
     shares = hosts or [host]
     overrides = list(overrides or [])
     sup = t.supervisor
     relay = StatusRelay()
-    link = BusLink(t, host, status=relay)
+    if authority is None and t.bus.scoped_workers:
+        authority = WorkerAuthority()
+    link = BusLink(t, host, status=relay, authority=authority)
     nodes: list[Node] = []
     if embeds_nats(t):
-        nodes.append(_nats_node(t, host))
+        nodes.append(_nats_node(t, host, authority))
 
     inproc: list[Node] = [Node(ChildSpec("bus", lambda: link, "permanent", sup.drain_timeout),
                                "bus", f"NATS connection to {bus_url(t)}")]
@@ -191,7 +207,7 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
     inproc_sup = SupervisorConfig(strategy="rest_for_one", intensity=sup.intensity, period=sup.period,
                                   backoff=sup.backoff, shutdown_timeout=sup.shutdown_timeout,
                                   drain_timeout=sup.drain_timeout)
-    nodes.append(Node(ChildSpec("inproc", lambda: _supervisor(f"{host}/inproc", inproc, inproc_sup, relay),
+    nodes.append(Node(ChildSpec(INPROC, lambda: _supervisor(f"{host}/inproc", inproc, inproc_sup, relay),
                                 "permanent", sup.shutdown_timeout),
                       "supervisor", "in-process actors", inproc_sup, inproc))
 
@@ -206,7 +222,7 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
             nodes.append(Node(spec, "process", f"{what}: {cmd}"))
     for name, pool in t.pools.items():
         if pool.host in shares:
-            nodes += _worker_nodes(t, name, pool, topology_path, overrides)
+            nodes += _worker_nodes(t, name, pool, topology_path, overrides, authority)
     return HostPlan(host, host, sup, nodes, link, relay)
 
 
@@ -227,7 +243,7 @@ def _backoff(b: BackoffConfig) -> dict[str, float]:
     return {"initial": b.initial, "max": b.max, "multiplier": b.multiplier, "jitter": b.jitter}
 
 
-def _nats_node(t: Topology, host: str) -> Node:
+def _nats_node(t: Topology, host: str, authority: WorkerAuthority | None = None) -> Node:
     """This host's embedded nats-server: the deployment's bus, or with ``bus.cluster`` this host's
     member of the cluster (a name that stays the same across restarts, its own store dir: hosts
     of one cluster may share a file system, as the namespace tests do)."""
@@ -237,7 +253,8 @@ def _nats_node(t: Topology, host: str) -> Node:
     def start() -> Child:
         from bus.embedded import EmbeddedNats
         return EmbeddedNats(port=t.bus.port, store_dir=store, name="nats", server_name=name,
-                            write_config=lambda path: nats_conf.write(t.bus, path, host=host, namespace=t.namespace))
+                            write_config=lambda path: nats_conf.write(t.bus, path, host=host, namespace=t.namespace),
+                            env={nats_conf.CALLOUT_ISSUER_ENV: authority.issuer} if authority is not None else {})
 
     return Node(ChildSpec("nats", start, "permanent", min(10.0, t.supervisor.shutdown_timeout)),
                 "nats", f"embedded nats-server 127.0.0.1:{t.bus.port}{f' named {name}' if name else ''} "
@@ -254,10 +271,10 @@ def _echo_node(t: Topology, host: str, link: BusLink, multi: bool) -> Node:
 
 
 def _worker_nodes(t: Topology, name: str, pool: PoolConfig, topology_path: str | Path,
-                  overrides: list[str]) -> list[Node]:
+                  overrides: list[str], authority: WorkerAuthority | None = None) -> list[Node]:
     nodes = []
     for i in range(pool.replicas):
-        spec, argv = worker_spec(t, name, i, topology_path, overrides)
+        spec, argv = worker_spec(t, name, i, topology_path, overrides, authority)
         nodes.append(Node(spec, "process", f"{pool.role} {pool.engine} worker: {' '.join(argv[1:])}"))
     return nodes
 

@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import signal
 import sys
 from collections.abc import Callable
@@ -46,7 +45,14 @@ from bus.context import BusContext, open_context
 from bus.tasks import cancel_and_wait
 from config.loader import load_topology
 from config.topology import PoolConfig, Topology
-from config.workers import MAX_REPLICA, kv_replicas, overrides_from_env, worker_bus, worker_child_id
+from config.workers import (
+    MAX_REPLICA,
+    given_instance,
+    kv_replicas,
+    overrides_from_env,
+    worker_bus,
+    worker_child_id,
+)
 from supervisors.child import ChildSpec
 from supervisors.process import EXIT_DONE
 from supervisors.sdnotify import Notifier, serve_root
@@ -232,7 +238,7 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
                      engine_factory: Callable[[], Engine] | None = None) -> int:
     pool = t.pools[pool_name]
     node = worker_child_id(pool_name, replica)
-    instance = f"{pool_name}-{replica}-{secrets.token_hex(3)}"
+    instance = given_instance(pool_name, replica)  # the root's choice when it scoped our credentials
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -250,7 +256,8 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
     notifier.status("connecting to NATS")
     try:
         ctx = await open_context(worker_bus(t), t.namespace, pool.host,
-                                 f"vllm-actors:{t.namespace}:{node}:{os.getpid()}", kv_replicas(t))
+                                 f"vllm-actors:{t.namespace}:{node}:{os.getpid()}", kv_replicas(t),
+                                 inbox_owner=instance)
     except BaseException:
         if restored is not None:
             await restored.shutdown()
@@ -321,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     # replicas beyond pools.<p>.replicas are legal: a pool scaled up at run time (spawn)
     if not 0 <= args.replica <= MAX_REPLICA:
         print(f"error: replica {args.replica} out of range (0..{MAX_REPLICA})", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        given_instance(args.pool, args.replica)  # a malformed instance from the root: a usage error
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     return event_loop.run(run_worker(t, args.pool, args.replica))
 
