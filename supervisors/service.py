@@ -71,10 +71,14 @@ class SupervisorService:
     ``node`` is given, for a supervisor nested under the host's root)."""
 
     def __init__(self, ctx: BusContext, supervisor: Supervisor, *, node: str | None = None,
-                 spawner: Spawner | None = None, version: str = "0.1.0") -> None:
+                 spawner: Spawner | None = None, version: str = "0.1.0",
+                 hosts_service: Collection[str] = ()) -> None:
         """``spawner``: builds the child a ``spawn`` asks for from the topology; None: this
-        supervisor's children are fixed and ``spawn`` is refused."""
+        supervisor's children are fixed and ``spawn`` is refused. ``hosts_service``: children that
+        run this service and its bus connection (the root's ``inproc``): a restart of one is
+        answered at once ("accepted"), since no reply could follow it."""
         self.ctx = ctx
+        self.hosts_service = frozenset(hosts_service)
         self.sup = supervisor
         self.node = node
         self.spawner = spawner
@@ -150,9 +154,15 @@ class SupervisorService:
     async def _restart(self, msg: Msg) -> None:
         req = codec.decode(msg.data, msg.headers, type=ChildRef)
         self.sup.child(req.id)  # NotFound now, even when not waiting
-        await self._run(self.sup.restart_child(req.id), req.wait, f"restart of {req.id}")
-        await respond(msg, {"status": "ok" if req.wait else "accepted",
-                            "child": self._child_view(req.id)})
+        if not req.wait or req.id in self.hosts_service:
+            # answer (and flush) before the restart begins: the child may be the one that runs this
+            # service and its bus connection (the root's "inproc"), and would take the reply with it
+            await respond(msg, {"status": "accepted", "child": self._child_view(req.id)})
+            await self.ctx.nc.flush(timeout=2)
+            await self._run(self.sup.restart_child(req.id), False, f"restart of {req.id}")
+            return
+        await self._run(self.sup.restart_child(req.id), True, f"restart of {req.id}")
+        await respond(msg, {"status": "ok", "child": self._child_view(req.id)})
 
     async def _spawn(self, msg: Msg) -> None:
         req = codec.decode(msg.data, msg.headers, type=SpawnRequest)

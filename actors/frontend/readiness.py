@@ -12,7 +12,9 @@ body says ``decode_fallback: true``.
 
 A pool's replicas are the ones its supervisor runs now (its ``children`` view): the topology's
 ``replicas`` is the start, and the planner (or an operator's ``spawn``/``stop``) moves it. Until a
-view has been read, the topology's count is expected.
+view has been read, the topology's count is expected. The minimum a pool needs before the first
+ready is the topology's count, or the count its supervisor runs when that is smaller (a frontend
+restarted after the planner shrank the pool).
 
 Once ready, what must stay is every *role* the model needs, not every pool: two decode pools on
 two hosts are one capacity, and a host that dies takes its pools with it while the other host's
@@ -168,10 +170,16 @@ class Readiness:
         for p in self.pools:
             live = [w for w in ready_list if w.pool == p.name and (self.model is None or w.model == self.model)]
             missing = self._missing(p, {w.instance for w in live}, records, children)
-            pools[p.name] = {"role": p.role, "ready": len(live), "expected": len(self.replicas(p, children)),
-                             "minimum": p.minimum, "required": self.required(p), "missing": missing}
+            expected = len(self.replicas(p, children))
+            # the topology's count, or fewer when the planner (or an operator's stop with "remove")
+            # shrank the pool: a frontend (re)started after a shrink waits for the replicas that run,
+            # not for ones that were removed. A pool grown beyond the topology does not raise it: the
+            # start is ready at the topology's count, as a first start is
+            minimum = min(p.minimum, expected)
+            pools[p.name] = {"role": p.role, "ready": len(live), "expected": expected,
+                             "minimum": minimum, "required": self.required(p), "missing": missing}
             if self.required(p):
-                full = full and len(live) >= p.minimum
+                full = full and len(live) >= minimum
                 serving[p.role] = serving.get(p.role, 0) + len(live)
         none_empty = all(serving.values())  # every needed role still has a ready worker
         if self.pools:

@@ -262,3 +262,49 @@ def test_health_body_while_starting_names_each_pool(tmp_path: Path, home: dict[s
                for p in b["pools"].values() for m in p["missing"])
     shutdown(d)
 
+
+
+def test_a_frontend_restarted_after_a_shrink_is_ready_with_the_replicas_that_run(
+        tmp_path: Path, home: dict[str, str], started: list[Deployment]) -> None:
+    """Two replicas by the topology; one removed as the planner removes one (the root's ``stop`` with
+    ``"remove": true``); then the frontend restarts (the root's ``restart`` of ``inproc``, the
+    supervisor of the in-process actors, frontend first). The new frontend is ready at one replica:
+    200 and served, not 503 "starting" waiting for the removed one."""
+    d = default_deployment(tmp_path / "shrunk", "mocker-agg.toml", home, sets=["pools.agg.replicas=2"])
+    started.append(d)
+    d.start()
+    d.wait_ready({"agg": 2}, 60)
+
+    async def shrink_then_restart_frontend() -> dict[str, Any]:
+        nc = await nats.connect(d.bus_url)
+        try:
+            subjects = Subjects(NS)
+            await rpc.request(nc, subjects.supervisor("local", "stop"), {"id": "worker-agg-1", "remove": True},
+                              timeout=60)
+            return await rpc.request(nc, subjects.supervisor("local", "restart"), {"id": "inproc"},
+                                     timeout=60)
+        finally:
+            await nc.close()
+
+    # answered at once though the request did not say "wait": false: the restart takes the root's
+    # control service (which answers) down with the rest of the in-process actors
+    reply = asyncio.run(shrink_then_restart_frontend())
+    assert reply["status"] == "accepted", reply
+    time.sleep(1.0)  # the old frontend is gone (its /health would answer 200)
+    end = time.monotonic() + 30
+    status, body = 0, {}
+    while time.monotonic() < end:
+        try:
+            status, body = d.health()
+        except OSError:  # the new frontend is not listening yet
+            status = 0
+        if status == 200:
+            break
+        time.sleep(0.2)
+    assert status == 200 and body["status"] == "healthy", body
+    agg = body["pools"]["agg"]
+    assert (agg["ready"], agg["expected"], agg["minimum"], agg["missing"]) == (1, 1, 1, []), body
+    r = httpx.post(f"{d.url}/v1/completions", json={"model": "tiny", "prompt": "after", "max_tokens": 4},
+                   timeout=30)
+    assert r.status_code == 200, r.text
+    shutdown(d)

@@ -243,3 +243,34 @@ def test_readiness_expects_the_replicas_the_supervisor_runs() -> None:
     # scaled down to one again (replicas 1 and 3 removed from the root): nothing is missing
     ready, body = r.evaluate(ws, {"worker-agg-0": child(0)})
     assert ready and body["pools"]["agg"]["expected"] == 1 and body["pools"]["agg"]["missing"] == []
+
+
+def test_a_fresh_readiness_after_a_shrink_waits_only_for_the_replicas_that_run() -> None:
+    """A frontend (re)started after the planner shrank a pool below the topology's count: the root's
+    view has fewer replicas than the topology, and all of them serving is ready; one of them still
+    starting is not. A view with more replicas than the topology does not raise the bar."""
+    from actors.frontend.readiness import PoolExpectation, Readiness
+
+    def child(i: int, state: str = "running", pid: int = 1) -> dict[str, Any]:
+        return {"id": f"worker-agg-{i}", "state": state, "pid": pid, "meta": {"pool": "agg", "replica": str(i)}}
+
+    ws = WorkerSet()
+    ws.put_model("m.agg", _card("agg", "agg"))
+    ws.put_instance("a0", _rec("a0", "agg"))
+    r = Readiness("m", [PoolExpectation("agg", "agg", 3)], decode_fallback=False)
+    ready, body = r.evaluate(ws)  # no view read yet: the topology's 3 are expected
+    assert not ready and body["status"] == "starting" and body["pools"]["agg"]["minimum"] == 3
+    # shrunk to two (replica 2 removed); replica 1 still starting: not yet
+    ready, body = r.evaluate(ws, {"worker-agg-0": child(0), "worker-agg-1": child(1, "starting", pid=2)})
+    assert not ready and body["pools"]["agg"]["minimum"] == 2, body
+    # shrunk to one, and it serves: ready
+    ready, body = r.evaluate(ws, {"worker-agg-0": child(0)})
+    assert ready and body["status"] == "healthy", body
+    assert body["pools"]["agg"]["minimum"] == 1 and body["pools"]["agg"]["expected"] == 1
+    # grown to four (three of them starting): the bar stays at the topology's three
+    r2 = Readiness("m", [PoolExpectation("agg", "agg", 3)], decode_fallback=False)
+    for i in (1, 2):
+        ws.put_instance(f"a{i}", _rec(f"a{i}", "agg"))
+    grown = {f"worker-agg-{i}": child(i) for i in range(3)} | {"worker-agg-3": child(3, "starting", pid=9)}
+    ready, body = r2.evaluate(ws, grown)
+    assert ready and body["pools"]["agg"]["minimum"] == 3 and body["pools"]["agg"]["expected"] == 4, body
