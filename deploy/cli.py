@@ -30,6 +30,7 @@ from config.workers import kv_replicas
 from deploy.pools import PoolSpawner
 from deploy.systemd import emit_units
 from deploy.tree import (
+    INPROC,
     BusLink,
     HostPlan,
     build_host_tree,
@@ -136,7 +137,8 @@ class ControlChild:
     def __init__(self, link: BusLink, root: Any, spawner: PoolSpawner | None) -> None:
         # spawn over NATS (operators, a planner) adds a replica of a pool this root runs, built
         # from the topology: the message names the pool, never a command
-        self.svc = SupervisorService(link.child_ctx(), root, spawner=spawner.spec if spawner else None)
+        self.svc = SupervisorService(link.child_ctx(), root, spawner=spawner.spec if spawner else None,
+                                     hosts_service=(INPROC,))
         self._stopped = asyncio.Event()
 
     async def start(self) -> None:
