@@ -26,6 +26,7 @@ from bus.subjects import (
     queue_permission,
 )
 
+REPLIES = "_INBOX.>"  # every reply subject (bus.subjects.inbox_prefix and clients' defaults)
 QUEUE = "q"  # the queue group of load-balanced endpoints (bus.micro.EndpointSpec's default)
 # the kinds and instance names of the actors a worker process runs beside its engine actor
 # (actors.worker.health.HealthMonitor, kv_publisher.KvPublisherActor, lora_actor.LoraActor)
@@ -72,7 +73,10 @@ def worker_scope(namespace: str, pool: str, instance: str, host: str, node: str,
     # a restarted LoRA manager reads the bucket back (stream state and each key's last message)
     jetstream += [js_msg_get(loras), js_direct_get(loras), *js_consumer_create(loras)]
     publish = [
-        f"{inbox_prefix(namespace)}.>",  # replies to its callers, who live under the deployment's inboxes
+        # replies to its callers: the deployment's processes (_INBOX.<ns>...), and operators' tools,
+        # whose inboxes are nats-py's and the CLI's default (_INBOX.<random>): `nats micro ls`,
+        # `nats req ... health`. A reply subject is unguessable; what it may not do is read them
+        REPLIES,
         *own, sj.kv_events(instance), sj.load(instance), *registry, *jetstream,
     ]
     subscribe = [

@@ -23,19 +23,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_a_worker_may_use_its_own_subjects_only() -> None:
     s = worker_scope("ns", "agg", "agg-0-abc", "local", "worker-agg-0", "tiny")
     pub, sub = set(s.publish), set(s.subscribe)
-    # its own verbs, probe, KV events, load, registry keys, and replies to any caller of the deployment
+    # its own verbs, probe, KV events, load, registry keys, and replies to any caller
     assert {"ns.worker.agg-0-abc.>", "ns.agg.generate.agg-0-abc", "ns.kv.events.agg-0-abc", "ns.load.agg-0-abc",
             "$KV.ns-instances.agg-0-abc", "$KV.ns-models.tiny.agg", "$KV.ns-loras.agg-0-abc.>",
-            "_INBOX.ns.>", "ns.supervisor.local.worker-agg-0.>"} <= pub
+            "_INBOX.>", "ns.supervisor.local.worker-agg-0.>"} <= pub
     # its pool's requests only as a member of the queue group; its own inbox, never the deployment's
     assert {"ns.agg.generate q", "ns.agg.generate.agg-0-abc", "_INBOX.ns.agg-0-abc.>",
             "ns.kv.index.agg-0-abc.>", "ns.health.health-agg-0-abc.cancel"} <= sub
-    assert "ns.agg.generate" not in sub and "_INBOX.ns.>" not in sub
+    assert "ns.agg.generate" not in sub and not {"_INBOX.ns.>", "_INBOX.>"} & sub
     # nothing wider than its own: no other worker, supervisor or stream administration
     for p in pub | sub:
         assert not p.startswith(("ns.worker.*", "ns.supervisor.local.>", "ns.>", ">", "$JS.API.>",
                                  "$JS.API.STREAM.DELETE", "$JS.API.STREAM.PURGE")), p
-        assert "agg-0-abc" in p or p.startswith(("$JS.API.STREAM.INFO.", "$JS.API.", "$SRV.", "_INBOX.ns.>",
+        assert "agg-0-abc" in p or p.startswith(("$JS.API.STREAM.INFO.", "$JS.API.", "$SRV.", "_INBOX.>",
                                                    "ns.supervisor.local.worker-agg-0", "$KV.ns-models.tiny.agg",
                                                    "ns.agg.generate q")), p
 
