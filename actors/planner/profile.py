@@ -164,6 +164,8 @@ def private_overrides(t: Topology, pool: str, world: World) -> list[str]:
         sets.append("bus.auth={}")
     if t.bus.worker_auth is not None:
         sets.append("bus.worker_auth={}")
+    if t.bus.scoped_workers:  # no root answers a callout there: the worker joins as anyone may
+        sets.append("bus.scoped_workers=false")
     if t.pools[pool].status_port is not None:
         sets.append(f"pools.{pool}.status_port=0")  # a port the kernel picks (none of a deployment's)
     if t.pools[pool].role == "prefill":

@@ -110,3 +110,21 @@ def test_settings_scoped_workers_needs(tmp_path: Path) -> None:
     url = load_topology(topo, [*base, "bus.url=nats://127.0.0.1:4222"])
     assert "embedded" in (scoped_workers_problem(url.bus) or "")
     assert "systemd" in (scoped_workers_problem(t.bus, systemd=True) or "")
+
+
+def test_the_profiler_runs_a_scoped_pool_on_its_private_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler's private nats-server has no callout and no root to answer one: its worker joins
+    unscoped, and the topology with the profiler's overrides still loads."""
+    from types import SimpleNamespace
+
+    from actors.planner.profile import private_overrides
+
+    monkeypatch.chdir(ROOT)
+    for name in ("VLLM_ACTORS_SUPERVISOR_PASSWORD", "VLLM_ACTORS_API_KEY"):
+        monkeypatch.setenv(name, "x")
+    secure = ROOT / "topologies" / "mocker-secure.toml"
+    t = load_topology(secure)
+    world = SimpleNamespace(namespace="prof", run_dir="/tmp/prof", url="nats://127.0.0.1:4999", port=4999)
+    sets = private_overrides(t, "agg", world)  # type: ignore[arg-type]
+    assert "bus.scoped_workers=false" in sets
+    assert not load_topology(secure, sets).bus.scoped_workers
