@@ -4,6 +4,9 @@ deployment's share on this host.
     --set key.path=value   override a topology value (repeatable; value is a TOML literal or a string)
     --host NAME            start only that host's share (default: every host of the topology)
     --check                validate and print the resolved tree, start nothing (exit 2 on errors)
+
+Before it starts anything (and with --check) it builds each engine's configuration as its workers
+would, without the engine (vLLM: no weights read): an engine arg the engine rejects is exit 2.
     --emit-systemd DIR     write systemd units for every host into DIR
 
 Exit codes: 0 after a requested shutdown (SIGTERM/SIGINT), 1 when the root supervisor gave up
@@ -27,6 +30,7 @@ from config.credentials import scoped_workers_problem
 from config.loader import TopologyError, load_topology
 from config.topology import Topology
 from config.workers import kv_replicas
+from deploy.engine_check import check_engines
 from deploy.pools import PoolSpawner
 from deploy.systemd import emit_units
 from deploy.tree import (
@@ -44,6 +48,10 @@ from supervisors.supervisor import Supervisor
 log = logging.getLogger("actors.supervisor")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# A worker whose engine rejects its configuration (its process exits with EXIT_CONFIG) is started
+# again this many times while the error stays the same (a model directory being written, say),
+# then stopped and kept, with the reason in the children view and /health; its siblings go on.
+MISCONFIGURED_RETRIES = 2
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t = load_topology(args.topology, args.overrides)
         name, hosts = shares(t, args.host)
+        if not args.emit_systemd:  # units are written for other machines, whose engines are theirs
+            # an engine arg the engine rejects would fail every worker start: refuse it now
+            check_engines(t, hosts, args.topology, args.overrides)
     except TopologyError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -163,6 +174,7 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
     s = t.supervisor
     root = Supervisor(name, build_host_tree(plan), strategy=s.strategy,
                       intensity=s.intensity, period=s.period, start_concurrency=s.start_concurrency,
+                      misconfigured_retries=MISCONFIGURED_RETRIES,
                       backoff={"initial": s.backoff.initial, "max": s.backoff.max,
                                "multiplier": s.backoff.multiplier, "jitter": s.backoff.jitter})
     root_ref.append(root)

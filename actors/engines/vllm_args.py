@@ -1,7 +1,9 @@
 """Turn a topology's engine-args dict into a validated vLLM ``VllmConfig``, with our defaults.
 
 vLLM's own ``AsyncEngineArgs`` is the schema, so any vLLM option works from the topology; we only
-add defaults (like Dynamo's) and turn vLLM's assorted exceptions into one clear ``ValueError``.
+add defaults (like Dynamo's) and turn vLLM's assorted exceptions into one ``EngineConfigError``
+(a ValueError). ``check_config`` builds the config alone (no weights, no engine): the root runs it
+before any worker starts, and ``--check`` too.
 Imports of vLLM happen inside functions: importing this module must stay cheap.
 """
 
@@ -11,7 +13,9 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import secrets
+import shutil
 import socket
 import tempfile
 import threading
@@ -19,6 +23,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from actors.engines.config_error import EngineConfigError
 from actors.engines.protocol import NO_KV_EVENT_ROLES, Role
 from actors.models.tiny import resolve_model_path
 
@@ -38,6 +43,7 @@ _DICT_CONFIGS = {
 
 # os.environ is process-wide; engines built in one process take turns applying theirs.
 _ENV_LOCK = threading.Lock()
+
 
 
 def is_cpu_platform() -> bool:
@@ -203,10 +209,10 @@ def build_engine_args(engine_args: Mapping[str, Any], role: Role = "agg",
     args = dict(engine_args)
     unknown = sorted(set(args) - engine_arg_names())
     if unknown:
-        raise ValueError(f"unknown vLLM engine arg(s): {', '.join(unknown)} "
-                         "(see `vllm serve --help` for the valid names, with '-' as '_')")
+        raise EngineConfigError(f"unknown vLLM engine arg(s): {', '.join(unknown)} "
+                                "(see `vllm serve --help` for the valid names, with '-' as '_')", tuple(unknown))
     if "model" not in args:
-        raise ValueError("engine args need a 'model' (a path, a hub id, or 'tiny')")
+        raise EngineConfigError("engine args need a 'model' (a path, a hub id, or 'tiny')", ("model",))
     args["model"] = resolve_model_path(str(args["model"]))
     if args.get("tokenizer") == "tiny":
         args["tokenizer"] = args["model"]
@@ -248,18 +254,63 @@ def build_engine_args(engine_args: Mapping[str, Any], role: Role = "agg",
             try:
                 args[key] = getattr(vcfg, cls_name)(**args[key])
             except (TypeError, ValueError) as e:
-                raise ValueError(f"bad {key}: {e}") from e
+                raise EngineConfigError(f"bad {key}: {plain(str(e))}", (key,)) from e
     try:
         return AsyncEngineArgs(**args)
     except TypeError as e:  # kept for safety: the name check above should catch these first
-        raise ValueError(f"bad vLLM engine args: {e}") from e
+        raise EngineConfigError(f"bad vLLM engine args: {e}") from e
 
 
-def create_vllm_config(args: Any) -> Any:
-    """Run vLLM's own validation; its pydantic/Value errors become one ValueError."""
+def create_vllm_config(args: Any, given: Mapping[str, Any] | None = None) -> Any:
+    """Run vLLM's own validation; its pydantic/Value errors become one EngineConfigError, naming
+    the args of ``given`` (the topology's) that vLLM's message names."""
     from vllm.usage.usage_lib import UsageContext
 
     try:
         return args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
-        raise ValueError(f"vLLM rejected the engine args: {e}") from e
+        raise EngineConfigError(f"vLLM rejected the engine args: {plain(str(e))}", _named(str(e), given or {})) from e
+
+
+def plain(message: str) -> str:
+    """pydantic's message on one line, without its trailers: ``[type=..., input_value=<every
+    arg>, ...]`` (the whole args again) and "For further information visit <url>"."""
+    message = re.sub(r"\s*\[type=.*?input_type=[\w.]+\]", "", message, flags=re.S)
+    message = re.sub(r"\s*For further information visit \S+", "", message)
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    return lines[0] + (": " + "; ".join(lines[1:]) if len(lines) > 1 else "") if lines else ""
+
+
+def _named(message: str, given: Mapping[str, Any]) -> tuple[str, ...]:
+    """The given args a vLLM error is about: pydantic puts a field's name at the start of a line
+    ("dtype.literal[...]", "max_num_seqs"), a validator writes it in its sentence ("User-specified
+    max_model_len (...)"); only names the topology set count, so a default is never blamed."""
+    return tuple(k for k in given if re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", message))
+
+
+def check_config(engine_args: Mapping[str, Any], role: Role = "agg", served_model_name: str | None = None,
+                 env: Mapping[str, str] | None = None, ec_consumer: bool = False) -> None:
+    """Build the engine's ``VllmConfig`` as ``VllmEngine`` will, with its env, and no engine: no
+    weights are read (vLLM reads the model's config.json, and its tokenizer's config files where
+    the arguments ask for them), no process starts. Raises EngineConfigError for what vLLM rejects."""
+    import vllm.envs
+
+    args = dict(engine_args)
+    ec, root, owned = ec_transfer_config(role, ec_consumer, args)
+    try:
+        if ec is not None:
+            args["ec_transfer_config"] = ec
+        built = build_engine_args(args, role, served_model_name)
+        cpu = is_cpu_platform()
+        full = {k: v for k, v in default_env(cpu).items() if k not in os.environ}
+        full.update(env or {})
+        vllm.envs.disable_envs_cache()  # the config reads this env, as the engine's build does
+        with applied_env(full):
+            create_vllm_config(built, engine_args)
+    except EngineConfigError:
+        raise
+    except ValueError as e:  # ec_transfer_config's refusals
+        raise EngineConfigError(str(e), ("ec_transfer_config",)) from e
+    finally:
+        if owned and root is not None:
+            shutil.rmtree(root, ignore_errors=True)

@@ -159,7 +159,7 @@ class VllmEngine(Engine):
 
         vllm.envs.disable_envs_cache()  # this build reads the env it is given, not an earlier build's
         with vllm_args.applied_env(env):
-            vllm_config = vllm_args.create_vllm_config(args)
+            vllm_config = vllm_args.create_vllm_config(args, self._engine_args)
             llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[self._sink.logger_factory()],
                                             disable_log_stats=args.disable_log_stats)
             # as vllm serve does once started: AsyncLLM reads vllm.envs on every output (each read an

@@ -14,7 +14,10 @@ unknown-field payloads are a 400 and change nothing.
 
 Death: a watcher awaits ``engine.dead``; the in-flight streams end with EngineDead (503 "engine
 dead: ...") and then the actor fails, so the worker supervisor (rest_for_one) restarts it — and the
-actors after it — with a fresh engine that registers again.
+actors after it — with a fresh engine that registers again. An engine that rejects its
+configuration at start fails the actor with ``Misconfigured`` instead: the worker supervisor gives up
+at once and the process exits with EXIT_CONFIG, whose parent stops restarting it after the same
+error a few times (``engine_errors.start_failure``).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from actors.worker.contract import (
     StatusReply,
     WakeUpRequest,
 )
+from actors.worker.engine_errors import start_failure
 from actors.worker.health import probe_worker
 from actors.worker.metrics import WorkerMetrics, load_reports
 from actors.worker.serving import EngineService
@@ -296,8 +300,12 @@ class EngineActor(Actor):
     async def on_start(self) -> None:
         try:
             await self.service.start()
-        except BaseException:
+        except BaseException as e:
             await self.service.shutdown()
+            failure = start_failure(e)
+            if failure is not e:
+                log.error("%s: %s; a restart would fail the same way", self.instance, failure)
+                raise failure from e
             raise
         self._models = self.bus.registry(self.bus.subjects.bucket_models, self.registry_ttl)
         try:

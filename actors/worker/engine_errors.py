@@ -1,8 +1,10 @@
-"""An engine's refusal of a request, as the typed error the caller gets (no NATS, no engine).
+"""An engine's refusals as typed errors (no NATS, no engine): of a request, and of its own start.
 
 Engines check some requests only when they run them (text-mode prompts are tokenized there, vLLM
 validates its own parameters): their exceptions are turned into a 400 in vLLM's OpenAI wording
-here, so ``serving`` keeps to admitting and streaming.
+here, so ``serving`` keeps to admitting and streaming. An engine that rejects its configuration
+at start (``EngineConfigError``) will reject it on every start: that is a ``Misconfigured``
+failure, which the worker's supervisor does not retry in place (``start_failure``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import re
 import sys
 
+from actors.engines.config_error import EngineConfigError
 from actors.worker.validation import context_length_message
 from bus.errors import BadRequest
+from supervisors.child import Misconfigured
 
 # Prompt-too-long errors of the engines: vLLM ("The decoder prompt (length N) is longer than the
 # maximum model length ...") and the mocker ("prompt has N tokens; max_model_len is M").
@@ -42,3 +46,12 @@ def refusal(e: Exception, max_model_len: int, max_tokens: int) -> BadRequest:
     if m:
         return BadRequest(context_length_message(max_model_len, int(m.group(1) or m.group(2)), max_tokens))
     return BadRequest(message, param=getattr(e, "param", None) or getattr(e, "parameter", None))
+
+
+def start_failure(e: BaseException) -> BaseException:
+    """What an engine's failed start becomes: ``Misconfigured`` when the engine rejected its
+    configuration (the same error on every start), else the error itself (an engine that died,
+    ran out of memory once, lost its port: a restart may help)."""
+    if isinstance(e, EngineConfigError):
+        return Misconfigured(f"engine configuration rejected: {e}")
+    return e

@@ -11,6 +11,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from actors.engines.config_error import EngineConfigError
 from actors.engines.protocol import NO_KV_EVENT_ROLES, Engine
 from actors.models.tiny import resolve_model_path
 from bus.addresses import advertised_address, remote_hosts
@@ -74,21 +75,13 @@ def engine_env(pool: PoolConfig, replica: int, cpu_slot: int | None,
     return env
 
 
-def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, replica: int = 0,
-                 cpu_slot: int | None = None, advertise: str | None = None, ec_consumer: bool = False) -> Engine:
-    """A fresh, not yet started engine for ``pool``. Decode workers publish no KV events.
-    ``seed`` is a mocker's "weights" (a vLLM engine takes none here). ``ec_consumer``: the pool
-    has an encode pool beside it (``has_encode_pool``), whose encoder outputs its engine loads."""
-    served = model.name if model else "model"
+def engine_args_for(pool: PoolConfig, model: ModelConfig | None) -> dict[str, Any]:
+    """The engine args a worker of ``pool`` builds its engine with: the topology's, and what the
+    model and the pool add (an engine's own defaults are its own)."""
     args: dict[str, Any] = dict(pool.engine_args)
     if model is not None and model.context_length is not None:
         args.setdefault("max_model_len", model.context_length)
     if pool.engine == "mocker":
-        # no port picked here: the mocker binds its publisher and replay sockets to ports the
-        # kernel chooses (a port picked free beforehand can be taken by the time it binds, and
-        # its replay socket's base+1 was never checked at all)
-        from actors.engines.mocker.engine import MockerEngine
-
         if model is not None:
             # pseudo-tokens must be ids the model's tokenizer can detokenize: the mocker's default
             # range (32000) is far beyond the tiny model's 2048, which made most output text empty;
@@ -99,16 +92,7 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, 
             # a script is text: the mocker encodes its replies and reads prompts with the model's
             # tokenizer; in text mode it is what turns the output into the model's text
             args["tokenizer"] = resolve_model_path(model.tokenizer or model.path)
-        return MockerEngine(args, role=pool.role, served_model_name=served, seed=seed)
-    from actors.engines.vllm_engine import VllmEngine
-
-    # vLLM takes its KV-event endpoints from its config; decode and encode workers publish none. One DP rank
-    # publishes on ipc sockets (no port); several need a tcp base port, because vLLM derives rank
-    # r's endpoint as base + r and cannot be told to bind port 0. That port is picked free here and
-    # can be taken before vLLM binds it: the engine then fails to start, and its restart picks anew.
-    dp = int(args.get("data_parallel_size") or 1)
-    kv_events_port = free_port() if pool.role not in NO_KV_EVENT_ROLES and dp > 1 else None
-
+        return args
     if model is not None:  # the mocker takes no model path: it has no weights
         args.setdefault("model", model.path)
         if model.tokenizer:
@@ -119,9 +103,63 @@ def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, 
         # the engine's structured-output manager then starts a grammar only after the thinking
         # (tool calls, response_format) as vllm serve --reasoning-parser does
         args.setdefault("reasoning_parser", model.reasoning_parser)
+    return args
+
+
+def _mocker(args: dict[str, Any], pool: PoolConfig, served: str, seed: int) -> Engine:
+    from actors.engines.mocker.engine import MockerEngine
+
+    try:
+        return MockerEngine(args, role=pool.role, served_model_name=served, seed=seed)
+    except ValueError as e:  # its args, checked as it is built: the same error on every start
+        raise EngineConfigError(f"mocker engine args: {e}") from e
+
+
+def build_engine(pool: PoolConfig, model: ModelConfig | None, *, seed: int = 0, replica: int = 0,
+                 cpu_slot: int | None = None, advertise: str | None = None, ec_consumer: bool = False) -> Engine:
+    """A fresh, not yet started engine for ``pool``. Decode workers publish no KV events.
+    ``seed`` is a mocker's "weights" (a vLLM engine takes none here). ``ec_consumer``: the pool
+    has an encode pool beside it (``has_encode_pool``), whose encoder outputs its engine loads.
+    Arguments the engine rejects raise EngineConfigError (here for the mocker, at start for vLLM)."""
+    served = model.name if model else "model"
+    args = engine_args_for(pool, model)
+    if pool.engine == "mocker":
+        # no port picked here: the mocker binds its publisher and replay sockets to ports the
+        # kernel chooses (a port picked free beforehand can be taken by the time it binds, and
+        # its replay socket's base+1 was never checked at all)
+        return _mocker(args, pool, served, seed)
+    from actors.engines.vllm_engine import VllmEngine
+
+    # vLLM takes its KV-event endpoints from its config; decode and encode workers publish none. One DP rank
+    # publishes on ipc sockets (no port); several need a tcp base port, because vLLM derives rank
+    # r's endpoint as base + r and cannot be told to bind port 0. That port is picked free here and
+    # can be taken before vLLM binds it: the engine then fails to start, and its restart picks anew.
+    dp = int(args.get("data_parallel_size") or 1)
+    kv_events_port = free_port() if pool.role not in NO_KV_EVENT_ROLES and dp > 1 else None
     return VllmEngine(args, role=pool.role, served_model_name=served, kv_events_port=kv_events_port,
                       env=engine_env(pool, replica, cpu_slot, advertise), identity_lora=pool.lora.identity_adapter,
                       ec_consumer=ec_consumer and pool.role in ("agg", "prefill"))
+
+
+def check_engine_config(t: Topology, pool_name: str) -> None:
+    """What a worker of ``pool_name`` would build its engine from, built without the engine:
+    vLLM's config (no weights read, nothing started; ``vllm_args.check_config``) or the mocker's
+    args. Raises EngineConfigError with what the engine rejects."""
+    pool = t.pools[pool_name]
+    args = engine_args_for(pool, t.model)
+    if pool.engine == "mocker":
+        from actors.engines.mocker.config import MockerArgs
+
+        try:
+            MockerArgs.from_dict(args)
+        except ValueError as e:
+            raise EngineConfigError(f"mocker engine args: {e}") from e
+        return
+    from actors.engines import vllm_args
+
+    # replica 0's env; the NIXL side-channel host (advertise) is no part of vLLM's config
+    vllm_args.check_config(args, pool.role, t.model.name if t.model else "model", engine_env(pool, 0, None),
+                           ec_consumer=has_encode_pool(t) and pool.role in ("agg", "prefill"))
 
 
 def has_encode_pool(t: Topology) -> bool:

@@ -5,7 +5,8 @@ Inside: one NATS connection, a worker Supervisor (``rest_for_one`` by default) w
 served as a micro service on ``ns.supervisor.<host>.<worker-node>.*`` (so the health monitor's
 ``escalate`` reaches it), an optional status HTTP server, and sd_notify READY=1 to the parent once
 every child (the engine included) is up. Exits 1 when the worker supervisor gives up, so the host's
-root supervisor restarts the whole process.
+root supervisor restarts the whole process; EXIT_CONFIG when its engine rejects its configuration
+(its last STATUS says how), which the root retries only while the error could be a fluke.
 
 Checkpoint mode (``pools.<p>.checkpoint.control_dir``): the engine is built and put to sleep before
 any of the above exists, so a snapshot image holds no bus or HTTP socket (actors.worker.checkpoint).
@@ -54,7 +55,7 @@ from config.workers import (
     worker_child_id,
 )
 from supervisors.child import ChildSpec
-from supervisors.process import EXIT_DONE
+from supervisors.process import EXIT_CONFIG, EXIT_DONE
 from supervisors.sdnotify import Notifier, serve_root
 from supervisors.service import SupervisorService
 from supervisors.supervisor import Supervisor
@@ -297,7 +298,8 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
     if bus_lost:
         log.error("worker %s: its NATS connection was closed for good; exiting so it is restarted", node)
         return EXIT_FAILED
-    return EXIT_OK if code == 0 else EXIT_FAILED
+    # EXIT_CONFIG: the engine's configuration is rejected; the root stops retrying after a few
+    return code if code in (EXIT_OK, EXIT_CONFIG) else EXIT_FAILED
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

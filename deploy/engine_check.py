@@ -1,0 +1,94 @@
+"""The root's check of every pool's engine configuration before any worker starts, and ``--check``'s.
+
+A worker builds its engine from the topology; an engine arg the engine rejects fails the same way
+on every start. This builds what each worker of this host's share would build, without the engine
+(``actors.worker.engine_factory.check_engine_config``: vLLM's config, no weights read, no process
+started; the mocker's args), and turns a rejection into a ``TopologyError`` naming the setting, so
+the command exits 2 at once. vLLM is imported (seconds, a GiB of memory) in a process of its own
+that ends with the check: the root supervisor stays small and never initialises an accelerator.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+from collections.abc import Collection, Sequence
+
+from config.checks import join_keys
+from config.loader import TopologyError
+from config.topology import Topology
+
+log = logging.getLogger(__name__)
+
+# vLLM's import and config take 5-20 s; a model id on a slow hub can take longer (its config.json
+# is fetched). Past this the workers are left to find out themselves.
+CHECK_TIMEOUT_S = 600.0
+
+# (pool, problem, engine args it names) for a rejection; (pool, None, ()) when the check passed;
+# (pool, "unchecked: ...", ()) when it could not run (an unreachable hub: not the topology's fault)
+Outcome = tuple[str, str | None, tuple[str, ...]]
+
+
+def check_engines(t: Topology, hosts: Collection[str], file: str, overrides: Sequence[str] = ()) -> None:
+    """Raise TopologyError for the first pool on ``hosts`` whose engine rejects its configuration."""
+    pools = [name for name, p in t.pools.items() if p.host in hosts]
+    vllm = [name for name in pools if t.pools[name].engine == "vllm"]
+    outcomes = [check_pool(t, name) for name in pools if name not in vllm]
+    if vllm:
+        outcomes += _in_own_process(t, vllm)
+    for pool, problem, keys in outcomes:
+        if problem is None:
+            continue
+        if problem.startswith("unchecked: "):
+            log.warning("pools.%s: engine configuration %s", join_keys([pool]), problem)
+            continue
+        base = ["pools", pool, "engine_args"]
+        keys = tuple(k for k in keys if k in t.pools[pool].engine_args)  # not what a worker adds (model)
+        key = join_keys(base + [keys[0]] if len(keys) == 1 else base)
+        if any(_overlaps(item.partition("=")[0].strip(), key) for item in overrides):
+            problem += " (set by --set)"
+        raise TopologyError(file, key, problem)
+
+
+def check_pool(t: Topology, pool: str) -> Outcome:
+    """One pool's check, in this process."""
+    from actors.engines.config_error import EngineConfigError
+    from actors.worker.engine_factory import check_engine_config
+
+    try:
+        check_engine_config(t, pool)
+    except EngineConfigError as e:
+        return pool, str(e), e.keys
+    except Exception as e:  # noqa: BLE001 - not a rejection (a model that cannot be read now)
+        return pool, f"unchecked: {type(e).__name__}: {e}", ()
+    return pool, None, ()
+
+
+def _check_pools(t: Topology, pools: list[str]) -> list[Outcome]:
+    return [check_pool(t, pool) for pool in pools]
+
+
+def _quiet() -> None:
+    # the check's process logs vLLM's warnings only (its INFO lines belong to a starting engine)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def _in_own_process(t: Topology, pools: list[str]) -> list[Outcome]:
+    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of ours is forked
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_quiet) as pool:
+        future = pool.submit(_check_pools, t, pools)
+        try:
+            return future.result(timeout=CHECK_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.kill()  # the executor's own shutdown would wait for it
+            return [(p, f"unchecked: no answer within {CHECK_TIMEOUT_S:g}s", ()) for p in pools]
+        except concurrent.futures.process.BrokenProcessPool as e:
+            return [(p, f"unchecked: the check's process died ({e})", ()) for p in pools]
+
+
+def _overlaps(set_key: str, key: str) -> bool:
+    """Whether a --set of ``set_key`` may have made ``key`` what it is (one contains the other)."""
+    return set_key == key or key.startswith(set_key + ".") or set_key.startswith(key + ".")

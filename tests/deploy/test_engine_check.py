@@ -1,0 +1,87 @@
+"""The root checks every engine's configuration before it starts anything, and ``--check`` too:
+vLLM's config is built as each worker would build it, without the engine (no weights read), and a
+rejection is exit 2 naming the setting. vLLM is imported in a process of its own, never in the
+root. (No engine starts here: vLLM's config only.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from deploy.engine_check import check_engines
+from tests.deploy.test_cli import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+AGG = ROOT / "topologies" / "agg.toml"
+MOCKER = ROOT / "topologies" / "mocker-agg.toml"
+
+
+def test_check_refuses_an_engine_arg_vllm_rejects_naming_it() -> None:
+    r = cli(str(AGG), "--check", "--set",
+            "pools.agg.engine_args.structured_outputs_config={ disable_any_whitespace = true }", timeout=300)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == ""  # no tree: nothing would start
+    assert r.stderr.splitlines()[-1] == (
+        f"error: {AGG}: pools.agg.engine_args.structured_outputs_config: bad structured_outputs_config: "
+        "1 validation error for StructuredOutputsConfig: Value error, disable_any_whitespace is only "
+        "supported for xgrammar and guidance backends. (set by --set)")
+    # a rejection of vLLM's whole config (its ModelConfig) names the arg its message names
+    r = cli(str(AGG), "--check", "--set", "pools.agg.engine_args.max_model_len=100000", timeout=300)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    last = r.stderr.splitlines()[-1]
+    assert last.startswith(f"error: {AGG}: pools.agg.engine_args.max_model_len: vLLM rejected the engine args: "
+                           "1 validation error for ModelConfig: Value error, User-specified max_model_len "
+                           "(100000) is greater than the derived max_model_len"), last
+    assert last.endswith("(set by --set)") and "input_value" not in last
+
+
+def test_start_refuses_it_before_anything_starts(tmp_path: Path) -> None:
+    """Without --check: exit 2 before the bus, the frontend or any worker exists."""
+    r = cli(str(AGG), "--set", "pools.agg.engine_args.dtype=float7", "--set", "bus.port=14399",
+            "--set", "frontend.http=127.0.0.1:18399", "--set", f"run_dir={tmp_path}", timeout=300)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.splitlines()[-1].startswith(
+        f"error: {AGG}: pools.agg.engine_args.dtype: vLLM rejected the engine args: 2 validation errors for ModelConfig")
+    assert "starting" not in r.stderr and not list(tmp_path.iterdir())  # no nats-server store, nothing
+
+
+def test_check_accepts_the_shipped_vllm_topology() -> None:
+    r = cli(str(AGG), "--check", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "worker-agg-0 [permanent" in r.stdout
+
+
+def test_mocker_args_are_checked_in_process() -> None:
+    r = cli(str(MOCKER), "--check", "--set", "pools.agg.engine_args.bogus_arg=1")
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1].startswith(
+        f"error: {MOCKER}: pools.agg.engine_args: mocker engine args: unknown mocker engine arg 'bogus_arg' (known: ")
+    assert r.stderr.splitlines()[-1].endswith("(set by --set)")
+
+
+def test_check_engines_skips_pools_of_other_hosts() -> None:
+    from config.loader import load_topology
+
+    t = load_topology(MOCKER, ["pools.agg.engine_args.bogus_arg=1", "pools.agg.host=gpu"])
+    check_engines(t, ["local"], str(MOCKER))  # not this share's pool: not checked here
+
+
+def test_vllm_config_check_reads_no_weights_and_starts_no_process() -> None:
+    """The check opens the model's config files but no weight file, and leaves no child process."""
+    code = textwrap.dedent("""
+        import sys, multiprocessing
+        opened = []
+        sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and args else None)
+        from config.loader import load_topology
+        from actors.worker.engine_factory import check_engine_config
+        check_engine_config(load_topology("topologies/agg.toml"), "agg")
+        weights = [p for p in opened if p.endswith((".safetensors", ".bin", ".pt", ".pth"))]
+        configs = [p for p in opened if p.endswith("tiny-llama/config.json")]
+        import psutil
+        print("weights", weights, "configs", bool(configs), "children", psutil.Process().children())
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[-1] == "weights [] configs True children []", r.stdout
