@@ -113,3 +113,37 @@ def test_rendered_config_never_logs_and_includes_server_config(tmp_path: Path) -
         empty.write_text("\n")
         nats_conf.render(BusConfig(auth=BusAuth(token_file=str(empty))), conf_dir)
     assert os.access(users, os.R_OK)
+
+
+async def test_shipped_roles_with_scoped_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """topologies/secure/roles.conf, included by the config the root renders, with the callout's
+    issuer handed over as the root does (bus.scoped_workers): the role users connect, a user the
+    authority issued connects through the callout, and a worker of the old shared role does not."""
+    import nats
+
+    from bus.auth_callout import WorkerAuthority
+
+    roles = Path(__file__).resolve().parents[2] / "topologies" / "secure" / "roles.conf"
+    pw = {r: f"{r}-pw" for r in ("supervisor", "operator", "observer")}
+    for role, p in pw.items():
+        monkeypatch.setenv(f"VLLM_ACTORS_{role.upper()}_PASSWORD", p)
+    bus = BusConfig(auth=BusAuth(user="supervisor", password_env="VLLM_ACTORS_SUPERVISOR_PASSWORD"),
+                    server_config=str(roles), scoped_workers=True)
+    authority = WorkerAuthority()
+    srv = EmbeddedNats(port=free_port(), store_dir=str(tmp_path / "js"),
+                       write_config=lambda path: nats_conf.write(bus, path),
+                       env={nats_conf.CALLOUT_ISSUER_ENV: authority.issuer})
+    await srv.start()
+    root = await nats.connect(srv.url, user="supervisor", password=pw["supervisor"])
+    try:
+        await authority.serve(root)
+        await root.flush()
+        for role in ("operator", "observer"):
+            assert await bus_admits(srv.url, BusAuth(user=role, password=pw[role]))
+        secret = authority.issue("worker-agg-0", "agg-0-abc", ["dynamo.load.agg-0-abc"], ["_INBOX.dynamo.agg-0-abc.>"])
+        assert await bus_admits(srv.url, BusAuth(user="agg-0-abc", password=secret))
+        assert not await bus_admits(srv.url, BusAuth(user="worker", password="anything"))
+    finally:
+        await authority.stop()
+        await root.close()
+        await srv.stop()
