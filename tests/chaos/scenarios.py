@@ -187,6 +187,45 @@ async def bus_kill_under_streams(d: Any, *, streams: int = 16, max_tokens: int =
             "nats_restarted": pid_of(after, "nats") != pid_of(before, "nats")}
 
 
+async def requests_as_the_bus_restarts(d: Any, *, requests: int = 4, rounds: int = 1,
+                                       answer_within: float = 15.0) -> dict[str, Any]:
+    """SIGKILL the embedded nats-server and, at once, send ``requests`` requests together (plain
+    completions); ``rounds`` times, each once the deployment is ready again. Every request must be
+    answered within ``answer_within`` seconds: 200, or 503 with Retry-After. A request sent into
+    the outage may be lost with the frontend's connection; it must be sent again to the live worker
+    (with one worker, there is no other to wait for)."""
+    body = {"model": MODEL, "prompt": "sent as the bus restarts", "max_tokens": 8}
+    answers: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=answer_within + 60)) as s:
+
+        async def one(rnd: int) -> dict[str, Any]:
+            t0 = time.monotonic()
+            try:
+                async with s.post(f"{d.url}/v1/completions", json=body) as r:
+                    await r.read()
+                    return {"round": rnd, "status": r.status, "retry_after": r.headers.get("Retry-After"),
+                            "seconds": round(time.monotonic() - t0, 2)}
+            except (aiohttp.ClientError, TimeoutError) as e:
+                return {"round": rnd, "status": None, "error": f"{type(e).__name__}: {e}",
+                        "seconds": round(time.monotonic() - t0, 2)}
+
+        before = await root_children(d.bus_url, d.namespace)
+        for rnd in range(rounds):
+            children = await children_when_up(d.bus_url, d.namespace)
+            os.kill(pid_of(children, "nats"), signal.SIGKILL)
+            answers += await asyncio.gather(*(one(rnd) for _ in range(requests)))
+            await wait_ready(d.url, 60)
+        after = await children_when_up(d.bus_url, d.namespace)
+    ok = [a for a in answers if a["seconds"] <= answer_within
+          and (a["status"] == 200 or (a["status"] == 503 and a["retry_after"]))]
+    return {"requests": len(answers), "answered_in_time": len(ok),
+            "statuses": sorted({str(a["status"]) for a in answers}),
+            "max_seconds": max(a["seconds"] for a in answers),
+            "seconds": sorted(a["seconds"] for a in answers),
+            "late_or_bad": [a for a in answers if a not in ok][:5],
+            "worker_restarts": restarts(after) - restarts(before)}
+
+
 async def worker_kill_under_streams(d: Any, *, streams: int = 32, max_tokens: int = 300,
                                     kill_after: float = 1.5, victim: str = "worker-agg-0",
                                     stall_timeout: float = 10.0) -> dict[str, Any]:
@@ -209,9 +248,10 @@ async def request_of_death(d: Any, *, poison: list[int], others: int = 8) -> dic
     """A request that kills every worker it reaches (the mocker's ``poison_token_id``), sent twice,
     with ``others`` ordinary requests (distinct prompts) around it. The first must fail with a 500
     after at most 2 worker deaths, the second be refused with a 4xx without reaching a worker; the
-    deployment keeps serving. An ordinary request that shared both dying workers with the poison
-    saw the same two deaths and is failed and quarantined too (a bystander: from the frontend the
-    two are indistinguishable); each is counted, and must carry the quarantine message."""
+    deployment keeps serving. The ordinary requests must all be served: those on a worker the
+    poison killed are suspects with it, and go to their next worker one at a time
+    (``actors.frontend.suspects``), so none shares its second worker with the poison. One that
+    failed anyway (a bystander) is counted, with its error."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
         before = await root_children(d.bus_url, d.namespace)
 

@@ -63,6 +63,6 @@ def test_request_of_death_costs_at_most_two_restarts(poisoned: Deployment) -> No
     assert r["again"]["status"] == 400 and "quarantined" in r["again"]["error"], r
     assert 1 <= r["worker_restarts"] <= 2, r
     assert r["deployment_running"] and r["served_after"] == 200, r
-    # an ordinary request fails only as a bystander: it shared both dying workers with the poison
-    assert all(code in (200, 500) for code in r["ordinary_statuses"]), r
-    assert all("died while serving it" in e for e in r["bystander_errors"]), r
+    # the ordinary requests beside it are all served: the ones whose worker it killed are suspects,
+    # re-sent one at a time per worker, so none of them is beside it when it kills its second one
+    assert r["ordinary_statuses"] == [200] * 8, r
