@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOPOLOGY ?= topologies/agg.toml
 
-.PHONY: install model run test test-fast lint bench clean
+.PHONY: install model run test test-fast lint bench clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,23 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# A GPU machine: the gpu extra (vLLM's CUDA build, pinned to the version the CPU extra pins) instead of cpu.
+GPU_STAMP := $(VENV)/.installed-gpu
+$(GPU_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[gpu,dev]'
+	touch $(GPU_STAMP)
+
+# The paths only a GPU runs (agg serve, sleep mode, NIXL with the KV buffer on the device,
+# multimodal), with the tiny local models: tests/gpu, in under 8 minutes. Refuses to pass without a
+# CUDA device (the tests would all be skipped).
+gpu-check: $(GPU_STAMP)
+	$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device')"
+	$(PY) -m actors.models.tiny
+	$(PY) -m actors.models.tiny_vlm
+	timeout 480 $(PY) -m pytest -q -p no:cacheprovider -rs -m gpu tests/gpu
 
 model: install
 	$(PY) -m actors.models.tiny
