@@ -5,8 +5,9 @@ deployment's share on this host.
     --host NAME            start only that host's share (default: every host of the topology)
     --check                validate and print the resolved tree, start nothing (exit 2 on errors)
 
-Before it starts anything (and with --check) it builds each engine's configuration as its workers
-would, without the engine (vLLM: no weights read): an engine arg the engine rejects is exit 2.
+Before it starts anything (and with --check) it builds the engine configuration of each pool of its
+hosts (--host, or every host) as their workers would, on this machine's platform, without the engine
+(vLLM: no weights read): an engine arg the engine rejects is exit 2.
     --emit-systemd DIR     write systemd units for every host into DIR
 
 Exit codes: 0 after a requested shutdown (SIGTERM/SIGINT), 1 when the root supervisor gave up
