@@ -66,6 +66,10 @@ def js_stream_info(stream: str) -> str:
     return f"$JS.API.STREAM.INFO.{stream}"
 
 
+def js_stream_create(stream: str) -> str:
+    return f"$JS.API.STREAM.CREATE.{stream}"
+
+
 def js_direct_get(stream: str) -> str:
     """Direct gets of a stream's messages (``<this>.<subject>``: the last message of a key)."""
     return f"$JS.API.DIRECT.GET.{stream}.>"

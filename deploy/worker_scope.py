@@ -14,12 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from bus.subjects import (
+    JS_API_INFO,
     SRV_ALL,
     Subjects,
     inbox_prefix,
     js_consumer_create,
     js_direct_get,
     js_msg_get,
+    js_stream_create,
     js_stream_info,
     kv_key,
     kv_stream,
@@ -70,6 +72,10 @@ def worker_scope(namespace: str, pool: str, instance: str, host: str, node: str,
     registry.append(kv_key(buckets["loras"], f"{instance}.>"))  # the adapters it loaded
     loras = kv_stream(buckets["loras"])
     jetstream = [js_stream_info(kv_stream(b)) for b in buckets.values()]
+    # a worker may be the first to need a registry bucket (a host of workers only, its frontend's
+    # host not up yet): it creates it as bus.registry does; updating or deleting one it may not
+    jetstream += [js_stream_create(kv_stream(b)) for b in buckets.values()]
+    jetstream.append(JS_API_INFO)  # nats-py asks the account's JetStream level before a create
     # a restarted LoRA manager reads the bucket back (stream state and each key's last message)
     jetstream += [js_msg_get(loras), js_direct_get(loras), *js_consumer_create(loras)]
     publish = [

@@ -122,6 +122,8 @@ async def test_shipped_roles_with_scoped_workers(tmp_path: Path, monkeypatch: py
     import nats
 
     from bus.auth_callout import WorkerAuthority
+    from bus.registry import Registry
+    from deploy.worker_scope import worker_scope
 
     roles = Path(__file__).resolve().parents[2] / "topologies" / "secure" / "roles.conf"
     pw = {r: f"{r}-pw" for r in ("supervisor", "operator", "observer")}
@@ -140,9 +142,32 @@ async def test_shipped_roles_with_scoped_workers(tmp_path: Path, monkeypatch: py
         await root.flush()
         for role in ("operator", "observer"):
             assert await bus_admits(srv.url, BusAuth(user=role, password=pw[role]))
-        secret = authority.issue("worker-agg-0", "agg-0-abc", ["dynamo.load.agg-0-abc"], ["_INBOX.dynamo.agg-0-abc.>"])
+        scope = worker_scope("dynamo", "agg", "agg-0-abc", "local", "worker-agg-0", "tiny")
+        secret = authority.issue("worker-agg-0", "agg-0-abc", scope.publish, scope.subscribe)
         assert await bus_admits(srv.url, BusAuth(user="agg-0-abc", password=secret))
         assert not await bus_admits(srv.url, BusAuth(user="worker", password="anything"))
+        # the first worker up (no frontend yet) creates the registry bucket and writes its own key;
+        # it may not write another's, nor delete the stream
+        errors: list[str] = []
+
+        async def on_error(e: Exception) -> None:
+            errors.append(str(e))
+        wk = await nats.connect(srv.url, user="agg-0-abc", password=secret, error_cb=on_error,
+                                inbox_prefix="_INBOX.dynamo.agg-0-abc", allow_reconnect=False)
+        try:
+            reg = Registry(wk.jetstream(), "dynamo-instances", 10.0)
+            await reg.ensure()
+            await reg.put("agg-0-abc", {"instance": "agg-0-abc"})
+            assert not errors, errors
+            for subject in ("$KV.dynamo-instances.agg-1-def", "$JS.API.STREAM.DELETE.KV_dynamo-instances"):
+                with pytest.raises(nats.errors.TimeoutError):
+                    await wk.request(subject, b"", timeout=1)
+            await wk.flush()
+            assert [e.lower() for e in errors] == [
+                'nats: permissions violation for publish to "$kv.dynamo-instances.agg-1-def"',
+                'nats: permissions violation for publish to "$js.api.stream.delete.kv_dynamo-instances"']
+        finally:
+            await wk.close()
     finally:
         await authority.stop()
         await root.close()
