@@ -10,10 +10,12 @@ that ends with the check: the root supervisor stays small and never initialises 
 
 from __future__ import annotations
 
-import concurrent.futures
+import json
 import logging
-import multiprocessing
 import os
+import pickle
+import subprocess
+import sys
 from collections.abc import Collection, Sequence
 
 from config.checks import join_keys
@@ -66,29 +68,40 @@ def check_pool(t: Topology, pool: str) -> Outcome:
     return pool, None, ()
 
 
-def _check_pools(t: Topology, pools: list[str]) -> list[Outcome]:
-    return [check_pool(t, pool) for pool in pools]
-
-
-def _quiet() -> None:
-    # the check's process logs vLLM's warnings only (its INFO lines belong to a starting engine)
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
 def _in_own_process(t: Topology, pools: list[str]) -> list[Outcome]:
-    ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of ours is forked
-    with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx, initializer=_quiet) as pool:
-        future = pool.submit(_check_pools, t, pools)
-        try:
-            return future.result(timeout=CHECK_TIMEOUT_S)
-        except concurrent.futures.TimeoutError:
-            for proc in list(getattr(pool, "_processes", {}).values()):
-                proc.kill()  # the executor's own shutdown would wait for it
-            return [(p, f"unchecked: no answer within {CHECK_TIMEOUT_S:g}s", ()) for p in pools]
-        except concurrent.futures.process.BrokenProcessPool as e:
-            return [(p, f"unchecked: the check's process died ({e})", ()) for p in pools]
+    """``check_pool`` of each pool in a fresh interpreter (``python -m deploy.engine_check``): the
+    topology goes in on stdin (pickled: it holds what --set gave, secrets included, so never on a
+    command line), the outcomes come back as JSON on stdout. vLLM's log lines (a starting engine's
+    warnings, of no use here) are shown only when the check itself failed."""
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    try:
+        r = subprocess.run([sys.executable, "-m", "deploy.engine_check"], input=pickle.dumps((t, pools)),
+                           capture_output=True, env=env, timeout=CHECK_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return [(p, f"unchecked: no answer within {CHECK_TIMEOUT_S:g}s", ()) for p in pools]
+    try:
+        return [(pool, problem, tuple(keys)) for pool, problem, keys in json.loads(r.stdout)]
+    except (ValueError, TypeError):
+        said = r.stderr.decode(errors="replace").strip()[-800:]
+        return [(p, f"unchecked: the check's process exited with code {r.returncode}: {said}", ()) for p in pools]
+
+
+def main() -> int:
+    # stdout carries the answer alone: what vLLM prints there (it does, at import) goes to stderr
+    answer = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    t, pools = pickle.loads(sys.stdin.buffer.read())
+    outcomes = [check_pool(t, pool) for pool in pools]
+    with answer:
+        answer.write(json.dumps(outcomes))
+    return 0
 
 
 def _overlaps(set_key: str, key: str) -> bool:
     """Whether a --set of ``set_key`` may have made ``key`` what it is (one contains the other)."""
     return set_key == key or key.startswith(set_key + ".") or set_key.startswith(key + ".")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

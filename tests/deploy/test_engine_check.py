@@ -85,3 +85,21 @@ def test_vllm_config_check_reads_no_weights_and_starts_no_process() -> None:
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines()[-1] == "weights [] configs True children []", r.stdout
+
+
+def test_the_root_never_imports_vllm_and_an_unreadable_model_is_not_a_rejection() -> None:
+    """vLLM runs in the check's own process; a model that cannot be read now (a missing path, an
+    unreachable hub: OSError) is logged as unchecked and left to the workers, not refused."""
+    code = textwrap.dedent("""
+        import logging, sys
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+        from config.loader import load_topology
+        from deploy.engine_check import check_engines
+        check_engines(load_topology("topologies/agg.toml", ["model.path=/nonexistent/model"]), ["local"], "agg.toml")
+        print("vllm imported:", "vllm" in sys.modules)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "vllm imported: False", r.stdout
+    assert lines[-2].startswith("pools.agg: engine configuration unchecked: OSError: "), r.stdout
