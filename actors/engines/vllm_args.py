@@ -45,7 +45,6 @@ _DICT_CONFIGS = {
 _ENV_LOCK = threading.Lock()
 
 
-
 def is_cpu_platform() -> bool:
     from vllm.platforms import current_platform
 
@@ -140,11 +139,12 @@ def ec_transfer_config(role: Role, consumer: bool, engine_args: Mapping[str, Any
     cfg = dict(given) if isinstance(given, Mapping) else dataclasses.asdict(given)
     if cfg.get("ec_connector") != EC_FILE_CONNECTOR:
         if role == "encode":
-            raise ValueError(f"an encode worker hands its encoder outputs over as {EC_FILE_CONNECTOR} files; "
-                             f"ec_transfer_config names {cfg.get('ec_connector')!r}")
+            raise EngineConfigError(f"an encode worker hands its encoder outputs over as {EC_FILE_CONNECTOR} files; "
+                                    f"ec_transfer_config names {cfg.get('ec_connector')!r}", ("ec_transfer_config",))
         return cfg, None, False
     if role == "encode" and cfg.get("ec_role") != "ec_producer":
-        raise ValueError(f"an encode worker's ec_transfer_config needs ec_role = \"ec_producer\", not {cfg.get('ec_role')!r}")
+        raise EngineConfigError(f"an encode worker's ec_transfer_config needs ec_role = \"ec_producer\", "
+                                f"not {cfg.get('ec_role')!r}", ("ec_transfer_config",))
     extra = dict(cfg.get("ec_connector_extra_config") or {})
     if extra.get("shared_storage_path"):
         root = Path(str(extra["shared_storage_path"])).expanduser()
@@ -284,7 +284,7 @@ def plain(message: str) -> str:
 def _named(message: str, given: Mapping[str, Any]) -> tuple[str, ...]:
     """The given args a vLLM error is about: pydantic puts a field's name at the start of a line
     ("dtype.literal[...]", "max_num_seqs"), a validator writes it in its sentence ("User-specified
-    max_model_len (...)"); only names the topology set count, so a default is never blamed."""
+    max_model_len (...)"); only names in ``given`` count, so a default is never blamed."""
     return tuple(k for k in given if re.search(rf"(?<![\w.]){re.escape(k)}(?!\w)", message))
 
 
@@ -307,10 +307,6 @@ def check_config(engine_args: Mapping[str, Any], role: Role = "agg", served_mode
         vllm.envs.disable_envs_cache()  # the config reads this env, as the engine's build does
         with applied_env(full):
             create_vllm_config(built, engine_args)
-    except EngineConfigError:
-        raise
-    except ValueError as e:  # ec_transfer_config's refusals
-        raise EngineConfigError(str(e), ("ec_transfer_config",)) from e
     finally:
         if owned and root is not None:
             shutil.rmtree(root, ignore_errors=True)
