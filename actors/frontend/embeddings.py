@@ -265,6 +265,7 @@ class _Input:
     index: int
     ids: list[int]
     failed: dict[str, float] = field(default_factory=dict)  # instance -> its started_at when it failed
+    gone: set[str] = field(default_factory=set)  # failed workers that died (their supervisor restarts them)
     deaths: list[str] = field(default_factory=list)
     worker: str | None = None  # the instance that answered
 
@@ -440,8 +441,11 @@ class EmbeddingService:
             # "no responders" before any answer: it never reached a live worker (a record that
             # outlived its process), so no death coincided with it; a silent one that is gone did die
             died = verdict is Liveness.DEAD and not isinstance(err, Unavailable)
+            if verdict is Liveness.DEAD:
+                inp.gone.add(worker.instance)
         inp.failed[worker.instance] = worker.started_at
         if died:
+            inp.gone.add(worker.instance)
             inp.deaths.append(worker.instance)
         return died
 
@@ -469,6 +473,12 @@ class EmbeddingService:
                 n = len(cands)
                 return min((cands[(self._turn + i) % n] for i in range(n)),
                            key=lambda w: self.load.get(w.instance, 0))
+            # only a worker that died or left the pool comes back (restarted); one that failed the
+            # input but still runs (refused it, or its answer was lost) is not replaced: 503 at once
+            present = {w.instance for w in pool}
+            if inp.failed and not any(i in inp.gone or i not in present for i in inp.failed):
+                raise Overloaded(f"no embedding worker can take this input now: {', '.join(sorted(inp.failed))} "
+                                 f"failed it and still run; try again")
             if loop.time() >= deadline:
                 if wait > 0:
                     raise Overloaded(f"no embedding worker came back within {wait:g}s")

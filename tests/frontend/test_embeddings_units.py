@@ -173,3 +173,66 @@ def test_chat_inputs_are_rendered_as_a_chat_prompt(pre: Preprocessor) -> None:
     with pytest.raises(BadRequest, match="trust_request_chat_template"):
         plan_embedding(parse_embedding(own), embed, "m", pre)
     assert plan_embedding(parse_embedding(own), embed, "m", pre, True).prompts == [pre.encode("the sea", False)]
+
+
+class _Link:
+    """The bus side of the embedding service, as a fake: only liveness is asked here."""
+
+    def __init__(self, verdict: Any) -> None:
+        self.verdict = verdict
+
+    async def liveness(self, worker: Any) -> Any:
+        return self.verdict
+
+
+def _service(link: _Link) -> tuple[Any, Any]:
+    from actors.frontend.discovery import WorkerSet
+    from actors.frontend.embeddings import EmbeddingService
+    from actors.frontend.metrics import FrontendMetrics
+    from actors.frontend.quarantine import Quarantine
+    from actors.instances.contract import InstanceRecord
+    from config.topology import FrontendConfig
+
+    ws = WorkerSet()
+    ws.put_model("m.embed", _card("embed"))
+    ws.put_instance("e0", InstanceRecord(instance="e0", kind="engine", role="embed", model="m", host="h", pid=1,
+                                         pool="embed", generate_subject="ns.embed.e0", started_at=1.0))
+    svc = EmbeddingService(workers=ws, link=link, config=FrontendConfig(), metrics=FrontendMetrics(),  # type: ignore[arg-type]
+                           preprocessors=None, quarantine=Quarantine())  # type: ignore[arg-type]
+    return svc, ws
+
+
+async def test_an_input_whose_only_worker_still_runs_is_not_held_for_another() -> None:
+    """The only embedding worker timed out on an input (its answer lost in a bus restart) but still
+    runs: no other worker can come, so the input gets 503 + Retry-After at once, not after
+    migration_wait. One that died is waited for, and served by its restarted incarnation."""
+    import time
+
+    from actors.frontend.embeddings import _Input
+    from actors.frontend.worker_link import Liveness
+    from actors.instances.contract import InstanceRecord
+    from bus.errors import Overloaded, RequestTimeout
+
+    svc, ws = _service(_Link(Liveness.ALIVE))
+    (worker,) = ws.workers("m", "embed")
+    inp = _Input(index=0, ids=[1, 2, 3])
+    assert await svc._judge(worker, RequestTimeout("no reply"), inp) is False
+    t0 = time.monotonic()
+    with pytest.raises(Overloaded) as e:
+        await svc._choose("m", inp, None, wait=60.0)
+    assert time.monotonic() - t0 < 1.0 and e.value.code == 503 and "still run" in str(e.value)
+
+    svc, ws = _service(_Link(Liveness.DEAD))
+    (worker,) = ws.workers("m", "embed")
+    inp = _Input(index=0, ids=[1, 2, 3])
+    assert await svc._judge(worker, RequestTimeout("no reply"), inp) is True
+
+    async def restart() -> None:
+        await asyncio.sleep(0.3)
+        ws.put_instance("e0", InstanceRecord(instance="e0", kind="engine", role="embed", model="m", host="h", pid=2,
+                                             pool="embed", generate_subject="ns.embed.e0", started_at=2.0))
+
+    task = asyncio.create_task(restart())
+    chosen = await svc._choose("m", inp, None, wait=10.0)
+    await task
+    assert chosen.instance == "e0" and chosen.started_at == 2.0
