@@ -24,7 +24,8 @@ from vllm_helpers import collect, greedy, needs_vllm, tokens_of
 from actors.engines.protocol import Engine, LoraRef, TokensPrompt
 from actors.kv import hashing
 
-pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+# the engine is the directory's shared one (tests/engines/conftest.py), on the session loop
+pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
 BS = 32
 LORA_NAME = "tiny-lora"
@@ -111,11 +112,12 @@ async def run_scenario(engine: Engine, lora: LoraRef) -> Capture:
         ctx.term()
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def captures(agg_engine) -> dict[str, Capture]:
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def captures(shared_agg_engine) -> dict[str, Capture]:
     from actors.engines.mocker.engine import MockerEngine
     from actors.models.tiny import tiny_lora_dir
 
+    agg_engine = await shared_agg_engine.get()
     lora = LoraRef(name=LORA_NAME, int_id=1, path=str(tiny_lora_dir(agg_engine.facts.model_path)))
     mocker = MockerEngine({"block_size": BS, "speedup_ratio": 0, "max_model_len": 1024,
                            "enable_lora": True, "max_loras": 2, "max_cpu_loras": 4},
@@ -133,6 +135,7 @@ async def captures(agg_engine) -> dict[str, Capture]:
         real = await run_scenario(agg_engine, lora)
     finally:
         agg_engine._identity = saved
+        await agg_engine.remove_lora(lora)  # the shared engine as it was: no adapter loaded
     return {"vllm": real, "mocker": mock}
 
 

