@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
+import pytest_asyncio
 
 from bus.context import BusContext, open_context
 from bus.embedded import EmbeddedNats, free_port
 from tests import watchdog
+from tests.agg_reference import AggReference
+from tests.sharing import last_user
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -42,3 +46,32 @@ async def bus(nats_server: EmbeddedNats) -> AsyncIterator[BusContext]:
         yield ctx
     finally:
         await ctx.close()
+
+
+@pytest.fixture(scope="session")
+def agg_reference(tmp_path_factory: pytest.TempPathFactory) -> AggReference:
+    """agg.toml's greedy answer for the disaggregated vLLM tests, recorded by the session's first
+    agg.toml deployment instead of one deployment booted per module (tests/agg_reference.py)."""
+    return AggReference(tmp_path_factory)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def shared_vllm_stack(nats_server: EmbeddedNats) -> AsyncIterator[Any]:
+    """tests/frontend/vllm_stack.py's SharedStack (vLLM is imported only when a test asks for it)."""
+    from tests.frontend.vllm_stack import SharedStack
+
+    shared = SharedStack(nats_server.url)
+    try:
+        yield shared
+    finally:
+        await shared.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def vllm_frontend(shared_vllm_stack: Any, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """One vLLM engine actor behind a kv-routed frontend, shared by the frontend's plain vLLM test
+    modules (their tests run on the session loop: ``pytest.mark.asyncio(loop_scope="session")``).
+    A test leaves it as it found it; it stops after the session's last test that uses it."""
+    yield await shared_vllm_stack.get()
+    if request.node is last_user(request.session.items, "shared_vllm_stack"):
+        await shared_vllm_stack.close()

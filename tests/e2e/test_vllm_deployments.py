@@ -18,17 +18,20 @@ import anthropic
 import pytest
 from openai import OpenAI
 
+from tests.agg_reference import PROMPT as AGG_PROMPT
+from tests.agg_reference import TOKENS as AGG_TOKENS
+from tests.agg_reference import AggReference
 from tests.e2e.conftest import PREFILL_HEADER, WORKER_HEADER, Deployment, boot, free_port, http_text, shutdown
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
 
 BOOT_TIMEOUT = 300.0  # engine start on a shared 2-core machine; nothing asserts on speed
-PROMPT = [{"role": "user", "content": "Write a short poem about a lighthouse on a stormy night."}]
+PROMPT = [{"role": "user", "content": AGG_PROMPT}]
 # well over a few 32-token KV blocks, so a repeat hits the prefix cache
 LONG = [{"role": "user", "content": " ".join(f"item {i} is a {c} stone;" for i, c in
                                               zip(range(60), ["red", "blue", "green", "grey"] * 15, strict=True))}]
-GREEDY: dict[str, Any] = {"max_tokens": 16, "temperature": 0, "extra_body": {"ignore_eos": True}}
+GREEDY: dict[str, Any] = {"max_tokens": AGG_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 async def worker_stats(d: Deployment, instance: str) -> dict[str, Any]:
@@ -49,12 +52,6 @@ def client(d: Deployment) -> OpenAI:
     return OpenAI(base_url=f"{d.url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[str, str]:
-    """Greedy outputs of the agg deployment, compared against disagg's."""
-    return {}
-
-
 @pytest.fixture(scope="class")
 def vllm_agg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     d = boot(tmp_path_factory, "vagg", "agg.toml", ready={"agg": 1}, status_pools={"agg": 1},
@@ -64,14 +61,14 @@ def vllm_agg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
 
 
 class TestVllmAgg:
-    def test_chat_stream_and_prefix_cache(self, vllm_agg: Deployment, reference: dict[str, str]) -> None:
+    def test_chat_stream_and_prefix_cache(self, vllm_agg: Deployment, agg_reference: AggReference) -> None:
         c = client(vllm_agg)
         raw = c.chat.completions.with_raw_response.create(model="tiny", messages=PROMPT, **GREEDY)
         r = raw.parse()
         assert raw.headers[WORKER_HEADER] in vllm_agg.instances()
         assert r.choices[0].message.content and r.usage.completion_tokens == 16
         assert r.choices[0].finish_reason == "length"
-        reference["chat"] = r.choices[0].message.content
+        agg_reference.record(r.choices[0].message.content)  # the disagg tests' reference (this session's)
 
         chunks = list(c.completions.create(model="tiny", prompt="The lighthouse keeper", max_tokens=12,
                                            stream=True, stream_options={"include_usage": True},
@@ -114,7 +111,8 @@ class TestVllmAgg:
 
 
 @pytest.fixture(scope="class")
-def vllm_disagg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def vllm_disagg(tmp_path_factory: pytest.TempPathFactory, agg_reference: AggReference) -> Iterator[Deployment]:
+    agg_reference.get()  # recorded by TestVllmAgg; else an agg.toml is booted for it now, before disagg
     # the topology's fixed NIXL side-channel ports would collide with a running `make run` of disagg
     nixl = [f"pools.prefill.env.VLLM_NIXL_SIDE_CHANNEL_PORT={free_port(4)}",
             f"pools.decode.env.VLLM_NIXL_SIDE_CHANNEL_PORT={free_port(4)}"]
@@ -125,7 +123,7 @@ def vllm_disagg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment
 
 
 class TestVllmDisagg:
-    def test_headers_and_same_output_as_agg(self, vllm_disagg: Deployment, reference: dict[str, str]) -> None:
+    def test_headers_and_same_output_as_agg(self, vllm_disagg: Deployment, agg_reference: AggReference) -> None:
         c = client(vllm_disagg)
         (prefill,), (decode,) = vllm_disagg.instances("prefill"), vllm_disagg.instances("decode")
         raw = c.chat.completions.with_raw_response.create(model="tiny", messages=PROMPT, **GREEDY)
@@ -138,8 +136,7 @@ class TestVllmDisagg:
         streamed = "".join(ch.choices[0].delta.content or "" for ch in stream.parse() if ch.choices)
         assert streamed == r.choices[0].message.content
 
-        assert "chat" in reference, "the agg test did not run first (run the whole module)"
-        assert r.choices[0].message.content == reference["chat"]
+        assert r.choices[0].message.content == agg_reference.get()
 
         # ...and the decode engine did not recompute the prompt: its KV connector pulled it (NIXL)
         stats = asyncio.run(worker_stats(vllm_disagg, decode))

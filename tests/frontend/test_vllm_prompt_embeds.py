@@ -2,7 +2,7 @@
 own embedding rows for a prompt give the token prompt's greedy output, bad tensors are 400s, and the
 kv router never credits a token prompt with blocks that embeddings filled.
 
-One engine (a pool with prompt_embeds = true) and its KV publisher for the module (~30 s on CPU).
+The engine (a pool with prompt_embeds = true) and its KV publisher are the session's shared stack.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import base64
 import importlib.util
 import io
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -27,20 +26,13 @@ from actors.engines.protocol import SamplingOptions, TokensPrompt
 from actors.frontend.actor import FrontendActor
 from actors.kv import hashing
 from actors.worker.engine_actor import EngineActor
-from actors.worker.kv_publisher import KvPublisherActor
-from bus.context import BusContext
-from bus.embedded import EmbeddedNats
-from config.topology import ModelConfig, PoolConfig
-from tests.frontend.vllm_stack import vllm_stack
+from tests.frontend.vllm_stack import VllmStack
 from tests.helpers import eventually
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="module"),
+# the engine actor and frontend are the session's shared ones (vllm_frontend, tests/conftest.py): a
+# prompt-embeddings pool behind the kv router, as these tests need
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session"),
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
-
-POOL = PoolConfig(engine="vllm", prompt_embeds=True,
-                  engine_args={"max_model_len": 512, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20},
-                  env={"OMP_NUM_THREADS": "1"})
-MODEL = ModelConfig(name="tiny", path="tiny")
 
 
 class Stack:
@@ -68,24 +60,10 @@ def ids_of(seed: int, n: int) -> list[int]:
     return torch.randint(10, 2000, (n,), generator=g).tolist()
 
 
-async def _publisher(ctx: BusContext, worker: EngineActor) -> KvPublisherActor:
-    """The worker's KV publisher: the kv router learns what vLLM stored (the "never a wrong hit" test)."""
-    engine = worker.service.engine
-    pub = KvPublisherActor(ctx, worker.instance, "agg", "tiny", engine.facts.block_size, engine.kv_event_sources())
-    await pub.start()
-    return pub
-
-
-def _router_fed(fe: FrontendActor) -> bool:
-    policy = fe._router
-    return policy.feed_started.is_set() and bool(policy.feed.known_workers())
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack(nats_server: EmbeddedNats) -> AsyncIterator[Stack]:
-    async with vllm_stack(nats_server.url, pool=POOL, model=MODEL, instance="pe0", router="kv",
-                          beside=_publisher, ready=_router_fed) as st:
-        yield Stack(st.client, st.worker, st.frontend)
+@pytest_asyncio.fixture(loop_scope="session")
+async def stack(vllm_frontend: VllmStack) -> Stack:
+    assert vllm_frontend.frontend._router.name == "kv"  # the "never a wrong hit" test reads its index
+    return Stack(vllm_frontend.client, vllm_frontend.worker, vllm_frontend.frontend)
 
 
 async def test_the_card_tells_the_frontend_hidden_size_and_switch(stack: Stack) -> None:

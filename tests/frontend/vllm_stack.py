@@ -1,5 +1,10 @@
-"""One vLLM-CPU engine actor behind a frontend on a real bus: what the frontend's vLLM test modules
-share (each starts one per module; an engine takes ~20-30 s to start on CPU)."""
+"""One vLLM-CPU engine actor behind a frontend on a real bus, for the frontend's vLLM test modules
+(an engine takes ~20-30 s to start on CPU).
+
+``SharedStack`` is the one the plain modules share through the ``vllm_frontend`` fixture
+(tests/conftest.py): a prompt-embeddings pool (an engine any token or text request runs on too),
+the kv router fed by the worker's KV publisher. A module that needs other engine args (the tools'
+reasoning parser and compact JSON) or kills its engine keeps a ``vllm_stack`` of its own."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from actors.base import Actor
 from actors.frontend.actor import FrontendActor
 from actors.worker.engine_actor import EngineActor
 from actors.worker.engine_factory import build_engine
+from actors.worker.kv_publisher import KvPublisherActor
 from bus.context import BusContext, open_context
 from config.topology import FrontendConfig, ModelConfig, PoolConfig
 from tests.helpers import openai_client
@@ -57,3 +63,44 @@ async def vllm_stack(nats_url: str, *, pool: PoolConfig, model: ModelConfig, ins
             await other.stop(2.0)
         await worker.stop(20.0)
         await ctx.close()
+
+
+SHARED_POOL = PoolConfig(engine="vllm", prompt_embeds=True,
+                         engine_args={"max_model_len": 512, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20},
+                         env={"OMP_NUM_THREADS": "1"})
+SHARED_MODEL = ModelConfig(name="tiny", path="tiny")
+
+
+async def kv_publisher(ctx: BusContext, worker: EngineActor) -> KvPublisherActor:
+    """The worker's KV publisher: the kv router learns what vLLM stored."""
+    engine = worker.service.engine
+    pub = KvPublisherActor(ctx, worker.instance, "agg", "tiny", engine.facts.block_size, engine.kv_event_sources())
+    await pub.start()
+    return pub
+
+
+def router_fed(fe: FrontendActor) -> bool:
+    policy = fe._router
+    return policy.feed_started.is_set() and bool(policy.feed.known_workers())
+
+
+class SharedStack:
+    """The shared stack, started on first use; ``close`` stops it (a later ``get`` starts a new one)."""
+
+    def __init__(self, nats_url: str) -> None:
+        self._url = nats_url
+        self._exit = contextlib.AsyncExitStack()
+        self.stack: VllmStack | None = None
+        self.starts = 0
+
+    async def get(self) -> VllmStack:
+        if self.stack is None:
+            self.stack = await self._exit.enter_async_context(vllm_stack(
+                self._url, pool=SHARED_POOL, model=SHARED_MODEL, instance="shared0", router="kv",
+                beside=kv_publisher, ready=router_fed))
+            self.starts += 1
+        return self.stack
+
+    async def close(self) -> None:
+        self.stack = None
+        await self._exit.aclose()

@@ -4,7 +4,8 @@ would: ``topologies/disagg.toml`` unchanged, placed and clustered with ``--set``
 host.
 
 The decode output at temperature 0 must be the aggregated output of ``topologies/agg.toml`` (same
-tiny weights; the decode engine continues from the KV the prefill engine computed), and the decode
+tiny weights; the decode engine continues from the KV the prefill engine computed; the session's
+answer of agg.toml, tests/agg_reference.py), and the decode
 engine must have pulled that KV rather than recomputed it. A prefill engine advertising vLLM's
 default side-channel host (``localhost``) would fail this: host b's localhost is not host a.
 """
@@ -14,20 +15,20 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 
+import aiohttp
 import nats
 import pytest
 
 from bus import rpc
 from bus.subjects import Subjects
-from tests.multihost.deployment import BUS_PORT, ROOT, HostsDeployment, Stream
+from tests.agg_reference import PROMPT, TOKENS, AggReference
+from tests.multihost.deployment import BUS_PORT, ROOT, HostsDeployment, Stream, chat
 from tests.multihost.netns import Hosts
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
 
 BOOT_TIMEOUT = 300.0  # engine starts on a shared 2-core machine; nothing asserts on speed
-PROMPT = "Write a short poem about a lighthouse on a stormy night."
-TOKENS = 16
 # the disagg topology as shipped, spread over two hosts (a 2-server cluster: both must be up)
 PLACE = ["frontend.host=a", "pools.prefill.host=a", "pools.decode.host=b", "bus.cluster.insecure=true",
          "supervisor.backoff.initial=0.5"]
@@ -40,21 +41,22 @@ def hosts(netns_available: type[Hosts]) -> Iterator[Hosts]:
 
 
 def greedy(d: HostsDeployment) -> Stream:
-    (out,) = d.chats(1, TOKENS, prompt=PROMPT, stream=False, timeout=BOOT_TIMEOUT)
+    """The reference request (tests/agg_reference.py) on host a's frontend."""
+
+    async def one() -> Stream:
+        async with aiohttp.ClientSession() as s:
+            return await chat(s, TOKENS, PROMPT, stream=False, timeout=BOOT_TIMEOUT)
+
+    out = d.loop().run(one(), timeout=BOOT_TIMEOUT + 10)
     assert out.ok and out.tokens == TOKENS, (out, d.logs())
     return out
 
 
 @pytest.fixture(scope="module")
-def reference(hosts: Hosts, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The aggregated output, from agg.toml run on host a alone (stopped before disagg boots)."""
-    d = HostsDeployment(hosts, ROOT / "topologies" / "agg.toml", tmp_path_factory.mktemp("vllm-agg"), cluster=False)
-    try:
-        d.start("a", host="local")
-        d.wait_ready({"agg": 1}, timeout=BOOT_TIMEOUT)
-        return greedy(d).text
-    finally:
-        d.stop()
+def reference(agg_reference: AggReference) -> str:
+    """The aggregated output: what the session's agg.toml answered (on this machine: the same
+    weights and kernels as on host a), or an agg.toml booted for it now, stopped before disagg boots."""
+    return agg_reference.get()
 
 
 @pytest.fixture(scope="module")
