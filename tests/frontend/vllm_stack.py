@@ -2,8 +2,9 @@
 (an engine takes ~20-30 s to start on CPU).
 
 ``SharedStack`` is the one the plain modules share through the ``vllm_frontend`` fixture
-(tests/conftest.py): a prompt-embeddings pool (an engine any token or text request runs on too),
-the kv router fed by the worker's KV publisher. A module that needs other engine args (the tools'
+(tests/conftest.py): a prompt-embeddings pool (an engine any token or text request runs on too)
+whose worker is in text mode (it renders chats for a text-mode frontend and runs token ids for
+the others), behind a token-mode frontend with the kv router fed by the worker's KV publisher. A module that needs other engine args (the tools'
 reasoning parser and compact JSON) or kills its engine keeps a ``vllm_stack`` of its own."""
 
 from __future__ import annotations
@@ -31,20 +32,23 @@ class VllmStack:
     client: AsyncOpenAI
     worker: EngineActor
     frontend: FrontendActor
+    ctx: BusContext  # the stack's namespace: a test may start another frontend of the worker in it
 
 
 @contextlib.asynccontextmanager
 async def vllm_stack(nats_url: str, *, pool: PoolConfig, model: ModelConfig, instance: str,
-                     router: str = "round_robin",
+                     worker_model: ModelConfig | None = None, router: str = "round_robin",
                      beside: Callable[[BusContext, EngineActor], Awaitable[Actor]] | None = None,
                      ready: Callable[[FrontendActor], bool] = lambda fe: True) -> AsyncIterator[VllmStack]:
     """The engine actor ``instance`` of ``pool``; ``beside`` starts another actor of the worker's
     process (a KV publisher); the frontend is ready once it routes to the worker, ``ready`` says
-    so, and its tokenizer is loaded."""
+    so, and its tokenizer is loaded. ``worker_model`` is the worker's model section, when it is not
+    the frontend's (a worker in text mode serves token-mode frontends too)."""
     ctx = await open_context(nats_url, namespace="fe" + secrets.token_hex(4), host="testhost",
                              name=f"frontend-{instance}-test")
-    worker = EngineActor(ctx.child(), pool_name="agg", pool=pool, model=model, instance=instance,
-                         engine_factory=lambda: build_engine(pool, model))
+    served = worker_model or model
+    worker = EngineActor(ctx.child(), pool_name="agg", pool=pool, model=served, instance=instance,
+                         engine_factory=lambda: build_engine(pool, served))
     await worker.start()
     other = await beside(ctx.child(), worker) if beside is not None else None
     fe = FrontendActor(ctx.child(), config=FrontendConfig(http="127.0.0.1:0", stall_timeout=30.0, router=router),
@@ -56,7 +60,7 @@ async def vllm_stack(nats_url: str, *, pool: PoolConfig, model: ModelConfig, ins
                 break
             await asyncio.sleep(0.05)
         await fe.app.pipeline.preprocessors.get(fe.workers.models[model.name])
-        yield VllmStack(openai_client(f"http://127.0.0.1:{fe.port}", timeout=120), worker, fe)
+        yield VllmStack(openai_client(f"http://127.0.0.1:{fe.port}", timeout=120), worker, fe, ctx)
     finally:
         await fe.stop(2.0)
         if other is not None:
@@ -68,7 +72,8 @@ async def vllm_stack(nats_url: str, *, pool: PoolConfig, model: ModelConfig, ins
 SHARED_POOL = PoolConfig(engine="vllm", prompt_embeds=True,
                          engine_args={"max_model_len": 512, "dtype": "bfloat16", "kv_cache_memory_bytes": 128 << 20},
                          env={"OMP_NUM_THREADS": "1"})
-SHARED_MODEL = ModelConfig(name="tiny", path="tiny")
+SHARED_MODEL = ModelConfig(name="tiny", path="tiny")  # the frontend's: token mode
+SHARED_WORKER_MODEL = ModelConfig(name="tiny", path="tiny", text_mode=True)
 
 
 async def kv_publisher(ctx: BusContext, worker: EngineActor) -> KvPublisherActor:
@@ -96,7 +101,8 @@ class SharedStack:
     async def get(self) -> VllmStack:
         if self.stack is None:
             self.stack = await self._exit.enter_async_context(vllm_stack(
-                self._url, pool=SHARED_POOL, model=SHARED_MODEL, instance="shared0", router="kv",
+                self._url, pool=SHARED_POOL, model=SHARED_MODEL, worker_model=SHARED_WORKER_MODEL,
+                instance="shared0", router="kv",
                 beside=kv_publisher, ready=router_fed))
             self.starts += 1
         return self.stack
