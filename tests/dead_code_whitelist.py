@@ -30,6 +30,7 @@ _.latency_avg, _.wrk_cpu_s
 pytestmark
 _.optionxform  # configparser: keep the case of systemd keys (tests/deploy/test_systemd.py)
 pytest_runtest_call  # hook (tests/conftest.py)
+pytest_collection_modifyitems  # hook (tests/conftest.py): the shared vLLM stack's tests together
 event_loop_policy  # fixture pytest-asyncio looks up by name
 _.ValueClass  # prometheus_client's value class, swapped by tests/worker/test_status_metrics.py
 

@@ -31,7 +31,6 @@ class SharedEngine:
 
     def __init__(self) -> None:
         self.engine: Any = None  # actors.engines.vllm_engine.VllmEngine (vLLM is imported lazily)
-        self.starts = 0
 
     async def get(self) -> Any:
         if self.engine is not None and self.engine.dead.is_set():
@@ -43,7 +42,7 @@ class SharedEngine:
                                  "max_cpu_loras": 4, "enable_prompt_embeds": True},
                                 served_model_name="tiny", env={"VLLM_CPU_OMP_THREADS_BIND": cpu_bind(0)})
             await engine.start()
-            self.engine, self.starts = engine, self.starts + 1
+            self.engine = engine
         return self.engine
 
     async def close(self) -> None:

@@ -96,7 +96,6 @@ class SharedStack:
         self._url = nats_url
         self._exit = contextlib.AsyncExitStack()
         self.stack: VllmStack | None = None
-        self.starts = 0
 
     async def get(self) -> VllmStack:
         if self.stack is None:
@@ -104,7 +103,6 @@ class SharedStack:
                 self._url, pool=SHARED_POOL, model=SHARED_MODEL, worker_model=SHARED_WORKER_MODEL,
                 instance="shared0", router="kv",
                 beside=kv_publisher, ready=router_fed))
-            self.starts += 1
         return self.stack
 
     async def close(self) -> None:
