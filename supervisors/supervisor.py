@@ -161,8 +161,15 @@ class Supervisor:
     async def _run(self) -> None:
         try:
             while self._failure is None:
-                while self._failure is None and (ev := self._mailbox.take()) is not None:
+                while self._failure is None and not self._stopping and (ev := self._mailbox.take()) is not None:
                     await self._handle(ev)
+                if self._stopping:
+                    # stop() cancelled this loop, and the cancellation was lost on its way (Python
+                    # 3.11's asyncio.wait_for returns an inner await's result that completes as the
+                    # cancel arrives; a child's start may run such code): end here, or the loop
+                    # waits for its next event for good (a root stopped while its in-process actors
+                    # started hung). stop() stops the children
+                    return
                 if self._failure is not None:
                     break
                 now = time.monotonic()
@@ -175,6 +182,8 @@ class Supervisor:
                 if due is not None:
                     await self._start_slot(due)
                     continue
+                if self._stopping:
+                    return  # as above: a start that swallowed stop()'s cancellation has returned
                 self._settle()
                 timeout = next_wakeup(self._slots, now)
                 if (ev := await self._mailbox.next(timeout)) is not None:

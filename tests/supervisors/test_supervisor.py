@@ -386,3 +386,36 @@ async def test_stop_during_a_start_kills_the_half_started_child(pool: Pool) -> N
     with pytest.raises(Unavailable):
         await starting
     assert hang[0].stop_timeouts == [None] and not pool.current("a").up
+
+
+async def test_a_stop_while_a_nested_start_swallows_its_cancellation_still_ends(pool: Pool) -> None:
+    """A child's start that swallows the cancellation a stop sends it (Python 3.11's
+    ``asyncio.wait_for`` loses one that arrives as the inner await completes; the frontend's start
+    runs such code) must not leave its supervisor's loop waiting for its next event for good: the
+    root stopped while starting its in-process actors hung."""
+
+    class Swallow(Dummy):
+        async def start(self) -> None:
+            self.events.append(("start", self.name))
+            try:
+                await asyncio.sleep(600)
+            except asyncio.CancelledError:
+                pass  # lost: the start completes as if nothing had been asked
+            self.up = True
+
+    def inner() -> Supervisor:
+        return Supervisor("inproc", [ChildSpec("frontend", lambda: Swallow("frontend", pool.events)),
+                                     pool.spec("waker")], strategy="rest_for_one", backoff=FAST)
+
+    root = Supervisor("root", [pool.spec("nats"), ChildSpec("inproc", inner), pool.spec("worker")], backoff=FAST)
+    starting = asyncio.create_task(root.start())
+    await until(lambda: ("start", "frontend") in pool.events)
+    t0 = time.monotonic()
+    # within its bound: before, the inproc loop never ended and the root's kill of it waited out
+    # its own 10 s bound (a root process, which awaits the loop itself, hung for good)
+    await asyncio.wait_for(root.stop(5), 30)
+    assert time.monotonic() - t0 < 5.0
+    with pytest.raises(Unavailable):
+        await starting
+    assert not pool.current("nats").up and pool.count("worker") == 0
+    assert pool.count("waker") == 0 or not pool.current("waker").up
