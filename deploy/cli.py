@@ -5,9 +5,10 @@ deployment's share on this host.
     --host NAME            start only that host's share (default: every host of the topology)
     --check                validate and print the resolved tree, start nothing (exit 2 on errors)
 
-Before it starts anything (and with --check) it builds the engine configuration of each pool of its
-hosts (--host, or every host) as their workers would, on this machine's platform, without the engine
-(vLLM: no weights read): an engine arg the engine rejects is exit 2.
+At its start (and with --check) it builds the engine configuration of each pool of its hosts
+(--host, or every host) as their workers would, on this machine's platform, without the engine
+(vLLM: no weights read): an engine arg the engine rejects is exit 2. The mocker's are checked before
+anything starts; vLLM's (10-30 s of import) while the tree starts, which a rejection stops.
     --emit-systemd DIR     write systemd units for every host into DIR
 
 Exit codes: 0 after a requested shutdown (SIGTERM/SIGINT), 1 when the root supervisor gave up
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
@@ -31,7 +33,7 @@ from config.credentials import scoped_workers_problem
 from config.loader import TopologyError, load_topology
 from config.topology import Topology
 from config.workers import kv_replicas
-from deploy.engine_check import check_engines
+from deploy.engine_check import check_engines, check_vllm_engines
 from deploy.pools import PoolSpawner
 from deploy.systemd import emit_units
 from deploy.tree import (
@@ -89,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         t = load_topology(args.topology, args.overrides)
         name, hosts = shares(t, args.host)
         if not args.emit_systemd:  # units are written for other machines, whose engines are theirs
-            # an engine arg the engine rejects would fail every worker start: refuse it now
-            check_engines(t, hosts, args.topology, args.overrides)
+            # an engine arg the engine rejects would fail every worker start: refuse it now (a start
+            # checks vLLM's pools while its tree starts: boot)
+            check_engines(t, hosts, args.topology, args.overrides, vllm=bool(args.check))
     except TopologyError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -193,13 +196,34 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     log.info("namespace %s: starting %s (hosts %s; bus %s)", t.namespace, name, ", ".join(hosts), _bus_words(t))
+    rejected: list[TopologyError] = []
+    checking = asyncio.create_task(_check_vllm_beside_the_start(t, hosts, topology_path, overrides, stop, rejected))
     try:
         code = await serve_root(root, stop, Notifier(), shutdown_timeout=s.shutdown_timeout)
     finally:
+        checking.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await checking
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+    if rejected:
+        print(f"error: {rejected[0]}", file=sys.stderr)  # the last line, after the shutdown's
+        code = EXIT_USAGE
     log.info("supervisor %s exits with %d", name, code)
     return code
+
+
+async def _check_vllm_beside_the_start(t: Topology, hosts: list[str], topology_path: str | Path,
+                                       overrides: list[str], stop: asyncio.Event,
+                                       rejected: list[TopologyError]) -> None:
+    """vLLM's check of this host's engine configurations, while the tree starts: a rejection stops
+    the deployment (its workers would fail the same way on every start) and the root exits 2."""
+    try:
+        await check_vllm_engines(t, hosts, str(topology_path), overrides)
+    except TopologyError as e:
+        rejected.append(e)
+        log.error("engine configuration rejected: %s; stopping", e)
+        stop.set()
 
 
 if __name__ == "__main__":

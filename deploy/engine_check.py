@@ -1,15 +1,19 @@
-"""The root's check of every pool's engine configuration before any worker starts, and ``--check``'s.
+"""The root's check of every pool's engine configuration at its start, and ``--check``'s.
 
 A worker builds its engine from the topology; an engine arg the engine rejects fails the same way
 on every start. This builds what each worker of this host's share would build, without the engine
 (``actors.worker.engine_factory.check_engine_config``: vLLM's config, no weights read, no process
 started; the mocker's args), and turns a rejection into a ``TopologyError`` naming the setting, so
-the command exits 2 at once. vLLM is imported (seconds, a GiB of memory) in a process of its own
-that ends with the check: the root supervisor stays small and never initialises an accelerator.
+the command exits 2. vLLM is imported (seconds, a GiB of memory) in a process of its own that ends
+with the check: the root supervisor stays small and never initialises an accelerator. ``--check``
+waits for it; a start checks the mocker's pools before anything starts, and vLLM's while its tree
+starts (the import takes 10-30 s on a small machine, a delay every start would otherwise pay): a
+rejection stops what started and exits 2.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -33,13 +37,34 @@ CHECK_TIMEOUT_S = 600.0
 Outcome = tuple[str, str | None, tuple[str, ...]]
 
 
-def check_engines(t: Topology, hosts: Collection[str], file: str, overrides: Sequence[str] = ()) -> None:
-    """Raise TopologyError for the first pool on ``hosts`` whose engine rejects its configuration."""
+def check_engines(t: Topology, hosts: Collection[str], file: str, overrides: Sequence[str] = (), *,
+                  vllm: bool = True) -> None:
+    """Raise TopologyError for the first pool on ``hosts`` whose engine rejects its configuration.
+    ``vllm`` False: only the pools checked in this process (the mocker's); a start checks vLLM's
+    beside itself (``check_vllm_engines``)."""
+    pools, in_vllm = _pools(t, hosts)
+    outcomes = [check_pool(t, name) for name in pools if name not in in_vllm]
+    if vllm and in_vllm:
+        outcomes += _in_own_process(t, in_vllm)
+    _raise_first(t, outcomes, file, overrides)
+
+
+async def check_vllm_engines(t: Topology, hosts: Collection[str], file: str, overrides: Sequence[str] = ()) -> None:
+    """``check_engines`` of the vLLM pools, awaited: the root runs it while its tree starts, since
+    vLLM's import alone takes 10-30 s here and would delay every start by as much. Cancelled (the
+    root stops first), it kills the check's process."""
+    _, in_vllm = _pools(t, hosts)
+    if in_vllm:
+        _raise_first(t, await _in_own_process_async(t, in_vllm), file, overrides)
+
+
+def _pools(t: Topology, hosts: Collection[str]) -> tuple[list[str], list[str]]:
+    """(the pools of ``hosts``, those of them with a vLLM engine)."""
     pools = [name for name, p in t.pools.items() if p.host in hosts]
-    vllm = [name for name in pools if t.pools[name].engine == "vllm"]
-    outcomes = [check_pool(t, name) for name in pools if name not in vllm]
-    if vllm:
-        outcomes += _in_own_process(t, vllm)
+    return pools, [name for name in pools if t.pools[name].engine == "vllm"]
+
+
+def _raise_first(t: Topology, outcomes: list[Outcome], file: str, overrides: Sequence[str]) -> None:
     for pool, problem, keys in outcomes:
         if problem is None:
             continue
@@ -73,17 +98,40 @@ def _in_own_process(t: Topology, pools: list[str]) -> list[Outcome]:
     topology goes in on stdin (pickled: it holds what --set gave, secrets included, so never on a
     command line), the outcomes come back as JSON on stdout. vLLM's log lines (a starting engine's
     warnings, of no use here) are shown only when the check itself failed."""
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
     try:
         r = subprocess.run([sys.executable, "-m", "deploy.engine_check"], input=pickle.dumps((t, pools)),
-                           capture_output=True, env=env, timeout=CHECK_TIMEOUT_S, check=False)
+                           capture_output=True, env=_env(), timeout=CHECK_TIMEOUT_S, check=False)
     except subprocess.TimeoutExpired:
         return [(p, f"unchecked: no answer within {CHECK_TIMEOUT_S:g}s", ()) for p in pools]
+    return _outcomes(pools, r.stdout, r.stderr, r.returncode)
+
+
+async def _in_own_process_async(t: Topology, pools: list[str]) -> list[Outcome]:
+    """``_in_own_process``, awaited; its process is killed when this is cancelled or times out."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "deploy.engine_check", stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=_env())
     try:
-        return [(pool, problem, tuple(keys)) for pool, problem, keys in json.loads(r.stdout)]
+        out, err = await asyncio.wait_for(proc.communicate(pickle.dumps((t, pools))), CHECK_TIMEOUT_S)
+    except TimeoutError:
+        return [(p, f"unchecked: no answer within {CHECK_TIMEOUT_S:g}s", ()) for p in pools]
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    return _outcomes(pools, out, err, proc.returncode)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+
+
+def _outcomes(pools: list[str], out: bytes, err: bytes, code: int | None) -> list[Outcome]:
+    try:
+        return [(pool, problem, tuple(keys)) for pool, problem, keys in json.loads(out)]
     except (ValueError, TypeError):
-        said = r.stderr.decode(errors="replace").strip()[-800:]
-        return [(p, f"unchecked: the check's process exited with code {r.returncode}: {said}", ()) for p in pools]
+        said = err.decode(errors="replace").strip()[-800:]
+        return [(p, f"unchecked: the check's process exited with code {code}: {said}", ()) for p in pools]
 
 
 def main() -> int:

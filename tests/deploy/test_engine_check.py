@@ -1,4 +1,4 @@
-"""The root checks every engine's configuration before it starts anything, and ``--check`` too:
+"""The root checks every engine's configuration at its start, and ``--check`` too:
 vLLM's config is built as each worker would build it, without the engine (no weights read), and a
 rejection is exit 2 naming the setting. vLLM is imported in a process of its own, never in the
 root. (No engine starts here: vLLM's config only.)"""
@@ -37,13 +37,33 @@ def test_check_refuses_an_engine_arg_vllm_rejects_naming_it() -> None:
     assert last.endswith("(set by --set)") and "input_value" not in last
 
 
-def test_start_refuses_it_before_anything_starts(tmp_path: Path) -> None:
-    """Without --check: exit 2 before the bus, the frontend or any worker exists."""
+def test_start_refuses_it_and_stops_what_it_started(tmp_path: Path) -> None:
+    """Without --check: vLLM's check runs while the tree starts (not before: its import would delay
+    every start by 10-30 s); its rejection stops the deployment, exit 2 with the setting named as
+    the last line, and no process of the deployment is left."""
+    import psutil
+
+    before = {p.pid for p in psutil.process_iter()}
     r = cli(str(AGG), "--set", "pools.agg.engine_args.dtype=float7", "--set", "bus.port=14399",
             "--set", "frontend.http=127.0.0.1:18399", "--set", f"run_dir={tmp_path}", timeout=300)
     assert r.returncode == 2, (r.stdout, r.stderr)
-    assert r.stderr.splitlines()[-1].startswith(
-        f"error: {AGG}: pools.agg.engine_args.dtype: vLLM rejected the engine args: 2 validation errors for ModelConfig")
+    # the error is the last line the root writes (what the interpreter's exit prints may follow it:
+    # the frontend's vLLM imports bring triton, whose bindings report leaks at exit)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert errors and errors[-1].startswith(
+        f"error: {AGG}: pools.agg.engine_args.dtype: vLLM rejected the engine args: 2 validation errors for ModelConfig"), r.stderr[-3000:]
+    assert "engine configuration rejected: " in r.stderr and "; stopping" in r.stderr
+    left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
+            and any(str(tmp_path) in a or "actors.worker.process" in a for a in (p.info["cmdline"] or []))]
+    assert not left, [p.info["cmdline"] for p in left]
+
+
+def test_a_mocker_start_refuses_it_before_anything_starts(tmp_path: Path) -> None:
+    """The mocker's check runs in the root's process, before the bus, the frontend or any worker."""
+    r = cli(str(MOCKER), "--set", "pools.agg.engine_args.bogus_arg=1", "--set", "bus.port=14398",
+            "--set", "frontend.http=127.0.0.1:18398", "--set", f"run_dir={tmp_path}", timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.splitlines()[-1].startswith(f"error: {MOCKER}: pools.agg.engine_args"), r.stderr
     assert "starting" not in r.stderr and not list(tmp_path.iterdir())  # no nats-server store, nothing
 
 
