@@ -22,3 +22,16 @@ def write_section(path: Path, title: str, body: str, reading: str | None = None)
         text = text.rstrip() + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def keep_other_sections(path: Path, text: str) -> str:
+    """``text`` (a whole generated file) followed by the sections of the file now at ``path`` whose
+    titles ``text`` does not have: another script's (or a hand-written) section survives a re-run
+    of the script that writes the rest of the file."""
+    if not path.exists():
+        return text
+    heading = re.compile(r"^## (.+)$", re.M)
+    mine = set(heading.findall(text))
+    old = path.read_text()
+    kept = [m for m in re.finditer(r"^## ([^\n]+)\n.*?(?=^## |\Z)", old, re.S | re.M) if m.group(1) not in mine]
+    return text.rstrip() + "\n" + "".join("\n" + m.group(0).rstrip() + "\n" for m in kept)

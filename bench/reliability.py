@@ -38,6 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.docs_section import keep_other_sections  # noqa: E402
 from tests.chaos import scenarios as sc  # noqa: E402
 from tests.chaos.http_fuzz import cap_memory, run_http_fuzz  # noqa: E402
 from tests.chaos.nats_fuzz import run_nats_fuzz  # noqa: E402
@@ -228,7 +229,8 @@ def main() -> None:
     args = ap.parse_args()
     res = run_all(args)
     command = "python bench/reliability.py " + " ".join(sys.argv[1:])
-    Path(args.out).write_text(markdown(res, command.strip()))
+    out = Path(args.out)
+    out.write_text(keep_other_sections(out, markdown(res, command.strip())))  # e.g. chaos_repeats.py's
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps({k: v for k, v in res.items() if k != "http_fuzz"}, default=str)[:3000])
