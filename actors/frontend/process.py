@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -150,9 +149,4 @@ def await_index(t: Topology) -> int | None:
 
 
 if __name__ == "__main__":
-    code = main()
-    # The interpreter's last collection walks every object torch, vLLM and transformers made (about
-    # 5 s on a 2-core box, each time a deployment stops) to free memory the OS takes back anyway;
-    # frozen, those objects are skipped. atexit handlers still run.
-    gc.freeze()
-    sys.exit(code)
+    sys.exit(main())
