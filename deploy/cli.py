@@ -207,9 +207,10 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     if rejected:
-        print(f"error: {rejected[0]}", file=sys.stderr)  # the last line, after the shutdown's
         code = EXIT_USAGE
     log.info("supervisor %s exits with %d", name, code)
+    if rejected:
+        print(f"error: {rejected[0]}", file=sys.stderr)  # the last line, after the shutdown's
     return code
 
 
