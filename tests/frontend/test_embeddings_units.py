@@ -18,7 +18,7 @@ from vllm.utils.serial_utils import tensor2binary
 from actors.engines.mocker.engine import MockerEngine
 from actors.engines.protocol import EncodeFailed, EngineDeadError
 from actors.frontend.discovery import ModelEntry
-from actors.frontend.embeddings import (
+from actors.frontend.embedding_io import (
     EmbedPlan,
     binary_response,
     parse_embedding,
