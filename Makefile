@@ -29,7 +29,7 @@ $(GPU_STAMP): pyproject.toml
 	touch $(GPU_STAMP)
 
 # The paths only a GPU runs (agg serve, sleep mode, NIXL with the KV buffer on the device,
-# multimodal), with the tiny local models: tests/gpu, in under 8 minutes. Refuses to pass without a
+# multimodal), with the tiny local models: tests/gpu, under an 8-minute timeout. Refuses to pass without a
 # CUDA device (the tests would all be skipped).
 gpu-check: $(GPU_STAMP)
 	$(PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: no CUDA device')"

