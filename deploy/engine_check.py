@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import pickle
-import subprocess
 import sys
 from collections.abc import Collection, Sequence
 
@@ -45,7 +44,7 @@ def check_engines(t: Topology, hosts: Collection[str], file: str, overrides: Seq
     pools, in_vllm = _pools(t, hosts)
     outcomes = [check_pool(t, name) for name in pools if name not in in_vllm]
     if vllm and in_vllm:
-        outcomes += _in_own_process(t, in_vllm)
+        outcomes += asyncio.run(_in_own_process(t, in_vllm))  # --check: no loop runs yet
     _raise_first(t, outcomes, file, overrides)
 
 
@@ -55,7 +54,7 @@ async def check_vllm_engines(t: Topology, hosts: Collection[str], file: str, ove
     root stops first), it kills the check's process."""
     _, in_vllm = _pools(t, hosts)
     if in_vllm:
-        _raise_first(t, await _in_own_process_async(t, in_vllm), file, overrides)
+        _raise_first(t, await _in_own_process(t, in_vllm), file, overrides)
 
 
 def _pools(t: Topology, hosts: Collection[str]) -> tuple[list[str], list[str]]:
@@ -93,21 +92,12 @@ def check_pool(t: Topology, pool: str) -> Outcome:
     return pool, None, ()
 
 
-def _in_own_process(t: Topology, pools: list[str]) -> list[Outcome]:
+async def _in_own_process(t: Topology, pools: list[str]) -> list[Outcome]:
     """``check_pool`` of each pool in a fresh interpreter (``python -m deploy.engine_check``): the
     topology goes in on stdin (pickled: it holds what --set gave, secrets included, so never on a
     command line), the outcomes come back as JSON on stdout. vLLM's log lines (a starting engine's
-    warnings, of no use here) are shown only when the check itself failed."""
-    try:
-        r = subprocess.run([sys.executable, "-m", "deploy.engine_check"], input=pickle.dumps((t, pools)),
-                           capture_output=True, env=_env(), timeout=CHECK_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        return [(p, f"unchecked: no answer within {CHECK_TIMEOUT_S:g}s", ()) for p in pools]
-    return _outcomes(pools, r.stdout, r.stderr, r.returncode)
-
-
-async def _in_own_process_async(t: Topology, pools: list[str]) -> list[Outcome]:
-    """``_in_own_process``, awaited; its process is killed when this is cancelled or times out."""
+    warnings, of no use here) are shown only when the check itself failed. Its process is killed
+    when this is cancelled or times out."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "deploy.engine_check", stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=_env())
