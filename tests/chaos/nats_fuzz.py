@@ -195,17 +195,36 @@ async def deployment_state(nc: Client, namespace: str) -> tuple[dict[str, Any], 
     infos = await services(nc, namespace)
     records = await registry(nc, namespace)
     children: dict[str, tuple[int, float | None]] = {}
+    unsettled: list[str] = []
     for info in infos:
         if info["name"] != "supervisor":
             continue
         subject = next(e["subject"] for e in info["endpoints"] if e["name"] == "children")
         view = json.loads((await nc.request(subject, b"", timeout=5)).data)
-        _flatten(f"{view['host']}/{view['supervisor']}", view["children"], children)
-    state = {"children": children,
+        _flatten(f"{view['host']}/{view['supervisor']}", view["children"], children, unsettled)
+    state = {"children": children, "unsettled": sorted(unsettled),
              "registry": {k: r.get("started_at") for k, r in records.items()},
              "services": sorted(f"{i['name']}/{i['id']}" for i in infos),
              "feed": await _feed_counters(nc, infos)}
     return state, infos, records
+
+
+async def settled_state(nc: Client, namespace: str, timeout: float) -> tuple[dict[str, Any], list[dict[str, Any]],
+                                                                              dict[str, Any]]:
+    """``deployment_state`` once no supervised child is starting or restarting and two discoveries
+    in a row found the same micro services (or after ``timeout`` s, as it then is: the figures show
+    what was still starting). A deployment is served once an engine registers, before the actors
+    its supervisor starts after the engine (LoRA manager, KV publisher, health monitor) are up; and
+    on a loaded machine a service's INFO reply can come later than ``services``' quiet time. The
+    fuzz wants every actor's subjects, and a child that starts during the run would read as changed."""
+    end = time.monotonic() + timeout
+    seen: list[str] | None = None
+    while True:
+        state, infos, records = await deployment_state(nc, namespace)
+        if (not state["unsettled"] and state["services"] == seen) or time.monotonic() >= end:
+            return state, infos, records
+        seen = state["services"]
+        await asyncio.sleep(0.25)
 
 
 async def _feed_counters(nc: Client, infos: list[dict[str, Any]]) -> dict[str, int]:
@@ -220,11 +239,14 @@ async def _feed_counters(nc: Client, infos: list[dict[str, Any]]) -> dict[str, i
     return dict(total)
 
 
-def _flatten(prefix: str, kids: list[dict[str, Any]], out: dict[str, tuple[int, float | None]]) -> None:
+def _flatten(prefix: str, kids: list[dict[str, Any]], out: dict[str, tuple[int, float | None]],
+             unsettled: list[str]) -> None:
     for c in kids:
         path = f"{prefix}/{c['id']}"
         out[path] = (c["restarts"], c.get("started_at"))
-        _flatten(path, c.get("children") or [], out)
+        if c["state"] in ("starting", "restarting"):
+            unsettled.append(f"{path} ({c['state']})")
+        _flatten(path, c.get("children") or [], out, unsettled)
 
 
 def restarts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -242,15 +264,16 @@ def restarts(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 # --- the run ---------------------------------------------------------------------------------------
 async def run_nats_fuzz(bus_url: str, namespace: str, *, seed: int = 0, per_subject: int = 8,
                         timeout: float = 5.0, concurrency: int = 8, settle: float = 1.0,
-                        connect: dict[str, Any] | None = None) -> dict[str, Any]:
+                        connect: dict[str, Any] | None = None, start_timeout: float = 30.0) -> dict[str, Any]:
     """Fuzz every subject of ``namespace``; the figures (see the module docstring).
 
     ``per_subject``: seeded random mutations per subject, on top of the fixed battery. ``settle``:
-    seconds to wait before looking for restarts (a crash is restarted with a backoff)."""
-    t0 = time.monotonic()
+    seconds to wait before looking for restarts (a crash is restarted with a backoff).
+    ``start_timeout``: how long to wait for actors still starting (see ``settled_state``)."""
     nc = await nats.connect(bus_url, name="nats-fuzz", **(connect or {}))
     try:
-        before, infos, records = await deployment_state(nc, namespace)
+        before, infos, records = await settled_state(nc, namespace, start_timeout)
+        t0 = time.monotonic()
         targets, unknown = discover(infos, records, namespace)
         sem = asyncio.Semaphore(concurrency)
         outcomes: Counter[str] = Counter()
@@ -284,6 +307,7 @@ async def run_nats_fuzz(bus_url: str, namespace: str, *, seed: int = 0, per_subj
         "namespace": namespace, "seed": seed, "per_subject": per_subject,
         "subjects": [f"{t.subject} ({t.source})" for t in targets],
         "subjects_covered": len(targets),
+        "unsettled_at_start": before["unsettled"],
         "payloads_sent": sum(outcomes.values()),
         "codes": dict(sorted(codes.items())),
         "server_errors": sum(v for k, v in codes.items() if int(k) >= 500) + outcomes["no_responders"],
