@@ -5,9 +5,8 @@ entry point, and the one import of ``deploy`` from inside ``actors`` (tests/test
 exactly this module).
 """
 
-import sys
-
+from bus.process_exit import exit_process
 from deploy.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

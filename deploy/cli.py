@@ -29,6 +29,7 @@ from typing import Any
 
 from bus import event_loop
 from bus.auth_callout import WorkerAuthority
+from bus.process_exit import exit_process
 from config.credentials import scoped_workers_problem
 from config.loader import TopologyError, load_topology
 from config.topology import Topology
@@ -228,4 +229,4 @@ async def _check_vllm_beside_the_start(t: Topology, hosts: list[str], topology_p
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

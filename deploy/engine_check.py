@@ -21,6 +21,7 @@ import pickle
 import sys
 from collections.abc import Collection, Sequence
 
+from bus.process_exit import exit_process
 from config.checks import join_keys
 from config.loader import TopologyError
 from config.topology import Topology
@@ -142,4 +143,4 @@ def _overlaps(set_key: str, key: str) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

@@ -21,6 +21,7 @@ import msgspec
 
 from bus import event_loop
 from bus.context import open_context
+from bus.process_exit import exit_process
 from config.topology import BusAuth, BusConfig, FrontendConfig, ModelConfig, Topology
 
 from .actor import FrontendActor
@@ -88,3 +89,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_process(0)

@@ -25,6 +25,7 @@ import sys
 from bus import event_loop
 from bus.connection import until_closed
 from bus.context import open_context
+from bus.process_exit import exit_process
 from bus.tasks import cancel_and_wait
 from config.loader import load_topology
 from config.topology import Topology
@@ -149,4 +150,4 @@ def await_index(t: Topology) -> int | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

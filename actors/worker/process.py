@@ -43,6 +43,7 @@ from actors.worker.status_http import StatusServer, status_bind_host
 from bus import event_loop, rpc
 from bus.connection import until_closed
 from bus.context import BusContext, open_context
+from bus.process_exit import exit_process
 from bus.tasks import cancel_and_wait
 from config.loader import load_topology
 from config.topology import PoolConfig, Topology
@@ -340,4 +341,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
