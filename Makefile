@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOPOLOGY ?= topologies/agg.toml
+# make test's pytest-xdist workers: every test module on one worker, every vLLM test on one
+# (tests/sharing.py parallel_groups); 2 for a 2-core machine, 0 for one process
+TEST_WORKERS ?= 2
 
 .PHONY: install model run test test-fast lint bench clean gpu-check
 
@@ -51,7 +54,7 @@ test: install
 	@command -v ip >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null)
 	$(PY) -m actors.models.tiny
 	$(PY) -m actors.models.tiny_vlm
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: install
 	$(PY) -m pytest -q -m "not vllm"

@@ -13,7 +13,7 @@ from bus.context import BusContext, open_context
 from bus.embedded import EmbeddedNats, free_port
 from tests import watchdog
 from tests.agg_reference import AggReference
-from tests.sharing import last_user, together
+from tests.sharing import last_user, parallel_groups, together
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -26,11 +26,13 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         timer.cancel()
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups off the items
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests of the shared vLLM stack run one after another, from where the first of them was
     collected: its objects live on the session loop, which runs only while a test on it runs, so
     between two of its tests the worker's registry entry (10 s TTL) could lapse."""
     together(items, "shared_vllm_stack")
+    parallel_groups(items)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import os
 import struct
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from openai import AsyncOpenAI
@@ -226,3 +227,37 @@ async def registry(nc: Any, ns: str) -> dict[str, dict[str, Any]]:
     js = nc.jetstream()
     kv = await js.key_value(f"{ns}-instances")
     return {k: json.loads(v) for k, v in (await live_entries(js, kv)).items() if v}
+
+
+# --- the processes a test started ---------------------------------------------------------------------
+# A test that must find its own processes (and only them: other tests, or another pytest-xdist
+# worker, run deployments at the same time) starts its command with this variable set to a token of
+# its own; every process below it inherits the variable.
+MARK = "VLLM_ACTORS_TEST_MARK"
+
+
+def marked_env(mark: str) -> dict[str, str]:
+    return {**os.environ, MARK: mark}
+
+
+def processes_with(mark: str) -> list[str]:
+    """Command lines of this user's live processes whose environment holds the marker."""
+    found = []
+    needle = f"{MARK}={mark}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+            if needle in env.split(b"\0"):
+                found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # gone meanwhile, or not ours
+            continue
+    return found
+
+
+def assert_nothing_left(mark: str) -> None:
+    end = time.monotonic() + 5.0
+    while (left := processes_with(mark)) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert not left, f"processes left behind: {left}"

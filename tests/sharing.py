@@ -25,3 +25,15 @@ def together(items: list[pytest.Item], fixture: str) -> None:
     at = items.index(users[0])
     rest = [i for i in items if fixture not in getattr(i, "fixturenames", ())]
     items[:] = rest[:at] + users + rest[at:]
+
+
+def parallel_groups(items: list[pytest.Item]) -> None:
+    """What runs where under ``make test``'s ``pytest -n N --dist loadgroup`` (pytest-xdist): each
+    test module stays on one worker, so a module-scoped deployment is booted once, not on each
+    worker; and every vLLM test (``pytest.mark.vllm``) runs on one worker, in collection order, as
+    a serial run does. The engines they share (``last_user``, ``together``) are then started once
+    and stopped after their last user, and the machine holds one test's engines at a time (an
+    engine is ~2.5 GiB). Without xdist the marks change nothing."""
+    for item in items:
+        group = "vllm" if item.get_closest_marker("vllm") else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))

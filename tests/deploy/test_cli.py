@@ -25,9 +25,9 @@ PY = sys.executable
 BOOT_TIMEOUT = 30.0  # generous: the test machine is shared; nothing asserts on speed
 
 
-def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([PY, "-m", "actors.supervisor", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 # --- no boot ------------------------------------------------------------------------------------

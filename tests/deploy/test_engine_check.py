@@ -5,6 +5,7 @@ root. (No engine starts here: vLLM's config only.)"""
 
 from __future__ import annotations
 
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from deploy.engine_check import check_engines
 from tests.deploy.test_cli import cli
+from tests.helpers import marked_env, processes_with
 
 ROOT = Path(__file__).resolve().parents[2]
 AGG = ROOT / "topologies" / "agg.toml"
@@ -41,20 +43,18 @@ def test_start_refuses_it_and_stops_what_it_started(tmp_path: Path) -> None:
     """Without --check: vLLM's check runs while the tree starts (not before: its import would delay
     every start by 10-30 s); its rejection stops the deployment, exit 2 with the setting named as
     the last line, and no process of the deployment is left."""
-    import psutil
-
-    before = {p.pid for p in psutil.process_iter()}
+    mark = secrets.token_hex(6)  # on every process the deployment starts (tests.helpers.MARK)
     r = cli(str(AGG), "--set", "pools.agg.engine_args.dtype=float7", "--set", "bus.port=14399",
-            "--set", "frontend.http=127.0.0.1:18399", "--set", f"run_dir={tmp_path}", timeout=300)
+            "--set", "frontend.http=127.0.0.1:18399", "--set", f"run_dir={tmp_path}", timeout=300,
+            env=marked_env(mark))
     assert r.returncode == 2, (r.stdout, r.stderr)
     # the error is the last line, after the shutdown's
     errors = r.stderr.splitlines()[-1:]
     assert errors and errors[-1].startswith(
         f"error: {AGG}: pools.agg.engine_args.dtype: vLLM rejected the engine args: 2 validation errors for ModelConfig"), r.stderr[-3000:]
     assert "engine configuration rejected: " in r.stderr and "; stopping" in r.stderr
-    left = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
-            and any(str(tmp_path) in a or "actors.worker.process" in a for a in (p.info["cmdline"] or []))]
-    assert not left, [p.info["cmdline"] for p in left]
+    left = processes_with(mark)
+    assert not left, left
 
 
 def test_a_mocker_start_refuses_it_before_anything_starts(tmp_path: Path) -> None:

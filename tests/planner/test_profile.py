@@ -8,12 +8,10 @@ checked directly.
 
 from __future__ import annotations
 
-import os
 import secrets
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgspec
@@ -22,42 +20,15 @@ import pytest
 from actors.planner.contract import Profile
 from actors.planner.profile import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, made_by
 from actors.planner.sweep import Limits, Point, Prompts, Sweep, plan
+from tests.helpers import assert_nothing_left, marked_env, processes_with
 
 ROOT = Path(__file__).resolve().parents[2]
 AGG = str(ROOT / "topologies" / "mocker-agg.toml")
 DISAGG = str(ROOT / "topologies" / "mocker-disagg.toml")
-MARK = "VLLM_ACTORS_PROFILE_TEST"
 
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "actors.planner.profile", *args]
-
-
-def marked_env(mark: str) -> dict[str, str]:
-    return {**os.environ, MARK: mark}
-
-
-def processes_with(mark: str) -> list[str]:
-    """Command lines of this user's live processes whose environment holds the marker."""
-    found = []
-    needle = f"{MARK}={mark}".encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-            if needle in env.split(b"\0"):
-                found.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except OSError:  # gone meanwhile, or not ours
-            continue
-    return found
-
-
-def assert_nothing_left(mark: str) -> None:
-    end = time.monotonic() + 5.0
-    while (left := processes_with(mark)) and time.monotonic() < end:
-        time.sleep(0.1)
-    assert not left, f"processes left behind: {left}"
 
 
 def run(args: list[str], mark: str) -> subprocess.CompletedProcess[str]:
