@@ -70,7 +70,13 @@ def _missing_state(child: dict[str, Any] | None, record: InstanceRecord | None) 
     if state == "starting":
         return ("loading" if "load" in status or "engine" in status else "starting"), status or "process starting"
     if state == "restarting":
-        return "restarting", f"last exit: {reason}" if reason else "waiting out its backoff"
+        if reason:
+            return "restarting", f"last exit: {reason}"
+        if not child.get("restarts") and child.get("started_at") is None:
+            # never started: a supervisor holds each child due until the ones before it are up (a
+            # root starts its workers once its frontend serves), and that is not a restart
+            return "starting", "waiting to start (after the children before it)"
+        return "restarting", "waiting out its backoff"
     if state == "stopped":
         return "stopped", reason or "stopped"
     if state == "running":

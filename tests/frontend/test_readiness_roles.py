@@ -126,3 +126,21 @@ def test_a_replica_short_in_every_pool_still_serves_once_ready() -> None:
     # a fresh frontend (never ready) with the same workers waits for every pool's minimum
     fresh = Readiness("m", pools, decode_fallback=False)
     assert fresh.evaluate(ws)[1]["status"] == "starting"
+
+
+def test_a_replica_not_started_yet_is_starting_and_one_that_exited_is_restarting() -> None:
+    """A supervisor marks every child due ("restarting" in its view) until the children before it
+    are up: a worker that never ran is starting, one with an exit behind it is restarting."""
+    r = Readiness("m", [PoolExpectation("decode", "decode", 1, host="b")], decode_fallback=False)
+    ws = WorkerSet()
+    queued = {"id": "worker-decode-0", "state": "restarting", "pid": None, "restarts": 0, "started_at": None,
+              "last_exit_reason": None, "meta": {"pool": "decode", "replica": 0}}
+    crashed = {**queued, "restarts": 1, "started_at": 1700000000.0, "last_exit_reason": "killed by SIGKILL"}
+    failed_first = {**queued, "last_exit_reason": "exited with code 1"}  # its first start failed
+    for child, expected in ((queued, ("starting", "waiting to start (after the children before it)")),
+                            (crashed, ("restarting", "last exit: killed by SIGKILL")),
+                            (failed_first, ("restarting", "last exit: exited with code 1")),
+                            ({**queued, "restarts": 2}, ("restarting", "waiting out its backoff"))):
+        ready, body = r.evaluate(ws, {"worker-decode-0": child}, views_complete=True)
+        assert not ready and body["status"] == "starting", body
+        assert [(m["state"], m["detail"]) for m in body["pools"]["decode"]["missing"]] == [expected], body
