@@ -261,6 +261,21 @@ class Standby:
     async def start(self) -> None:
         pass  # filled by wait(), once the frontend processes serve
 
+    @property
+    def pid(self) -> int | None:
+        """The standby process's pid, in the root's children view (a restart takes that process)."""
+        spare = self.pool.spare
+        return spare.pid if spare is not None and spare.returncode is None else None
+
+    @property
+    def status(self) -> str:
+        """What the root's children view says of this child: whether a warm standby is there to
+        take (a restart without one imports for ~8 s before it serves)."""
+        spare = self.pool.spare
+        if spare is None or spare.returncode is not None:
+            return "no standby process (one starts once every frontend process serves)"
+        return spare.status or "starting (importing)"
+
     async def wait(self) -> None:
         """Refill when the standby is taken; a standby that dies on its own is a crash of this child
         (its supervisor restarts it with backoff, and counts it)."""

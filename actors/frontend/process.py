@@ -138,13 +138,14 @@ def _log_format(index: int | None) -> str:
 def await_index(t: Topology) -> int | None:
     """A standby's wait: what a start would do before it serves is done now (the imports above, the
     tokenizer), then the index is read from stdin. None when stdin closes without one."""
-    Notifier().status("standby: imported, waiting to be taken")
     key = preprocess.tokenizer_key(t.model)
     if key is not None:
         try:
             preprocess.SHARED.get(key)
         except Exception as e:  # noqa: BLE001 - the frontend loads it again when it starts, and says why
             log.warning("standby: tokenizer not preloaded: %s", e)
+    # the root's view shows it (deploy.frontends.Standby.status): warm from here on
+    Notifier().status("standby: imported, waiting to be taken")
     line = sys.stdin.readline().strip()
     return int(line) if line.isdigit() else None
 

@@ -173,9 +173,23 @@ async def _worker_streams(d: Deployment, workers: list[str]) -> dict[str, int]:
         await nc.close()
 
 
+async def _warm_standby(d: Deployment, timeout: float = 90.0) -> dict[str, dict[str, Any]]:
+    """The root's children once its frontend standby is imported and idle (deploy.frontends.Standby):
+    a restart then takes it. It is started only once both processes serve, and its imports take
+    ~8 s, longer on a loaded machine."""
+    end = time.monotonic() + timeout
+    while True:
+        children = {c["id"]: c for c in await sc.root_children(d.bus_url, d.namespace)}
+        status = children.get("frontend-standby", {}).get("status", "")
+        if "waiting to be taken" in status:
+            return children
+        assert time.monotonic() < end, f"no warm frontend standby after {timeout}s: {status!r}"
+        await asyncio.sleep(0.2)
+
+
 async def _kill_under_streams(d: Deployment, victim: str) -> dict[str, Any]:
     body = sc.stream_body(1500)
-    children = {c["id"]: c for c in await sc.root_children(d.bus_url, d.namespace)}
+    children = await _warm_standby(d)
     pid = children[f"frontend-{victim[-1]}"]["pid"]
     workers = d.instances("agg")  # read now: a connection handed to the process as it dies is reset
     started: list[asyncio.Event] = [asyncio.Event() for _ in range(32)]
@@ -258,11 +272,12 @@ def test_sigkill_of_a_frontend_process_under_32_streams(two: Deployment) -> None
     # the killed process's worker requests were aborted while the survivors were still streaming
     assert r["survivors_running"] > 0 and r["in_flight_after_kill"] == r["survivors_running"], r
     assert not any(r["idle"].values()), r  # and once the survivors finished, the engines are idle
-    # the root restarted it (and only it), and it served again within 5 s
+    # the root restarted it (and only it) from the warm standby, and it served again within 5 s
     assert r["back_after_s"] is not None and r["back_after_s"] <= 5.0, r
     before, after = r["children_before"], r["children_after"]
     assert after["frontend-0"]["restarts"] == before["frontend-0"]["restarts"] + 1
     assert after["frontend-0"]["pid"] != r["old_pid"]
+    assert after["frontend-0"]["pid"] == before["frontend-standby"]["pid"] is not None  # the standby took over
     for cid in after:
         if cid != "frontend-0" and cid != "frontend-standby":
             assert after[cid]["restarts"] == before[cid]["restarts"], (cid, before[cid], after[cid])
