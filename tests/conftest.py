@@ -13,7 +13,7 @@ from bus.context import BusContext, open_context
 from bus.embedded import EmbeddedNats, free_port
 from tests import watchdog
 from tests.agg_reference import AggReference
-from tests.sharing import last_user, parallel_groups, together
+from tests.sharing import last_user, parallel_scope, together, vllm_files
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -26,13 +26,30 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         timer.cancel()
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups off the items
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The tests of the shared vLLM stack run one after another, from where the first of them was
     collected: its objects live on the session loop, which runs only while a test on it runs, so
     between two of its tests the worker's registry entry (10 s TTL) could lapse."""
     together(items, "shared_vllm_stack")
-    parallel_groups(items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup``: work units of ``tests.sharing.parallel_scope`` (a test file, or every
+    file with a vLLM test together). Not xdist's own loadgroup: it puts its ``xdist_group`` in the
+    node id by a field pytest 9.2 no longer reads, so every test became a unit of its own (module
+    fixtures booted on both workers, two vLLM tests at once)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    vllm = vllm_files(config.rootpath)
+
+    class ByScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return parallel_scope(nodeid, vllm)
+
+    return ByScope(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ test module; stopping it after its last user frees it as a module-scoped one did
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 
@@ -27,13 +29,20 @@ def together(items: list[pytest.Item], fixture: str) -> None:
     items[:] = rest[:at] + users + rest[at:]
 
 
-def parallel_groups(items: list[pytest.Item]) -> None:
-    """What runs where under ``make test``'s ``pytest -n N --dist loadgroup`` (pytest-xdist): each
-    test module stays on one worker, so a module-scoped deployment is booted once, not on each
-    worker; and every vLLM test (``pytest.mark.vllm``) runs on one worker, in collection order, as
-    a serial run does. The engines they share (``last_user``, ``together``) are then started once
-    and stopped after their last user, and the machine holds one test's engines at a time (an
-    engine is ~2.5 GiB). Without xdist the marks change nothing."""
-    for item in items:
-        group = "vllm" if item.get_closest_marker("vllm") else item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+
+def vllm_files(root: Path) -> frozenset[str]:
+    """The test files (relative to ``root``) that mark a test ``vllm``: read from their text, since
+    pytest-xdist's controller schedules by node id and collects nothing itself."""
+    return frozenset(str(p.relative_to(root)) for p in (root / "tests").rglob("test_*.py")
+                     if "mark.vllm" in p.read_text())
+
+
+def parallel_scope(nodeid: str, vllm: frozenset[str]) -> str:
+    """What runs where under ``make test``'s ``pytest -n N --dist loadgroup`` (tests/conftest.py's
+    scheduler): each test file on one worker, so a module-scoped deployment is booted once, not on
+    each worker; and every file with a vLLM test on one worker, in collection order, as a serial
+    run does: the engines they share (``last_user``, ``together``) are then started once and
+    stopped after their last user, and the machine holds one test's engines at a time (an engine
+    is ~2.5 GiB)."""
+    path = nodeid.split("::", 1)[0]
+    return "vllm" if path in vllm else path
