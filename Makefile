@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOPOLOGY ?= topologies/agg.toml
 # make test's pytest-xdist workers: every test module on one worker, every vLLM test on one
-# (tests/sharing.py parallel_groups); 2 for a 2-core machine, 0 for one process
+# (tests/sharing.py parallel_scope, scheduled by tests/conftest.py); 2 for a 2-core machine, 0 for one process
 TEST_WORKERS ?= 2
 
 .PHONY: install model run test test-fast lint bench clean gpu-check
