@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOPOLOGY ?= topologies/agg.toml
-# make test's pytest-xdist workers: every test module on one worker, every vLLM test on one
+# make test's pytest-xdist workers: every test file on one worker, every file with a vLLM test on one
 # (tests/sharing.py parallel_scope, scheduled by tests/conftest.py); 2 for a 2-core machine, 0 for one process
 TEST_WORKERS ?= 2
 
