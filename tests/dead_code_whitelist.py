@@ -32,6 +32,8 @@ _.optionxform  # configparser: keep the case of systemd keys (tests/deploy/test_
 pytest_runtest_call  # hook (tests/conftest.py)
 pytest_collection_modifyitems  # hook (tests/conftest.py): the shared vLLM stack's tests together
 event_loop_policy  # fixture pytest-asyncio looks up by name
+pytest_xdist_make_scheduler  # pytest-xdist hook (tests/conftest.py): make test's work units
+_._split_scope  # LoadScopeScheduling calls it (tests/conftest.py's scheduler)
 _.ValueClass  # prometheus_client's value class, swapped by tests/worker/test_status_metrics.py
 
 # vLLM's DelegatingParser reads it (actors/frontend/output_parsing.py switches reasoning off for an
