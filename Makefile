@@ -6,8 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TOPOLOGY ?= topologies/agg.toml
 # make test's pytest-xdist workers: every test file on one worker, every file with a vLLM test on one
-# (tests/sharing.py parallel_scope, scheduled by tests/conftest.py); 2 for a 2-core machine, 0 for one process
-TEST_WORKERS ?= 2
+# (tests/sharing.py parallel_scope, scheduled by tests/conftest.py). 3 on a 2-core machine: the
+# tests wait on process starts, heartbeats and timeouts as much as they compute. 0: one process
+TEST_WORKERS ?= 3
 
 .PHONY: install model run test test-fast lint bench clean gpu-check
 
