@@ -88,5 +88,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    exit_process(0)
+    exit_process(main())
