@@ -2,7 +2,7 @@
 does not.
 
 A process that imported vLLM (the root, whose frontend validates requests with vLLM's models;
-frontend processes; vLLM workers) spent 1.7-2 s after ``main`` returned in the interpreter's
+frontend processes; vLLM workers) spent 1.4-2.4 s after ``main`` returned in the interpreter's
 teardown, freeing torch's, transformers' and vLLM's modules object by object, and triton's nanobind
 bindings printed "leaked instances" reports on the way. An operator waits that long for every stop
 and restart of a root; a supervisor for every worker restart. Nothing of ours needs the teardown:
