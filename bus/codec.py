@@ -37,6 +37,7 @@ def headers_for(msgpack: bool) -> dict[str, str]:
     return dict(MSGPACK_HEADERS if msgpack else JSON_HEADERS)
 
 
+INVALID_UTF8 = "invalid UTF-8 in a string"
 EMPTY_NOT_ALLOWED = "empty payload: this verb needs a JSON object (send '{}' for the defaults)"
 
 
@@ -49,7 +50,8 @@ def decode(data: bytes, headers: Mapping[str, str] | None = None, type: type[T] 
 
     Raises BadRequest with a message naming the offending field, so every actor turns malformed
     input into a typed 400 instead of crashing. msgspec raises two other exceptions for bad input:
-    UnicodeDecodeError for invalid UTF-8 inside a string, and RecursionError for nesting deeper than
+    UnicodeDecodeError for invalid UTF-8 inside a string (before 0.23; since then a DecodeError, and
+    both give the same message), and RecursionError for nesting deeper than
     the interpreter's recursion limit (about 1000 levels: ``[[[...]]]`` untyped, or inside a field
     typed ``Any``) — both are the sender's fault, so both are a 400 too.
     """
@@ -68,10 +70,13 @@ def decode(data: bytes, headers: Mapping[str, str] | None = None, type: type[T] 
     except msgspec.ValidationError as e:
         raise BadRequest(f"invalid request: {e}") from None
     except msgspec.DecodeError as e:
+        # msgspec >= 0.23 reports invalid UTF-8 as a DecodeError ("Invalid UTF-8 encoded string");
+        # older releases raise UnicodeDecodeError. Either way the sender reads the same message.
+        if "UTF-8" in str(e):
+            raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: {INVALID_UTF8}") from None
         raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: {e}") from None
-    except UnicodeDecodeError as e:
-        raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: invalid UTF-8 in a string "
-                         f"({e.reason})") from None
+    except UnicodeDecodeError:
+        raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: {INVALID_UTF8}") from None
     except RecursionError:
         raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: nested too deeply") from None
 
