@@ -37,6 +37,8 @@ _UNSETTLED = (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavai
               nats.errors.TimeoutError)
 SETTLE_BOUND_S = 15.0  # how long a first put waits for a settling bucket
 SETTLE_BACKOFF = Backoff(initial=0.2, max=2.0, multiplier=2.0, jitter=0.2)
+JS_NO_SUITABLE_PEERS = 10005  # JetStream's err_code: fewer servers up than the stream's replicas
+PLACEMENT_REPORT_S = 10.0  # how often a bucket waiting for its replicas' servers says so
 
 
 @dataclass(frozen=True)
@@ -82,13 +84,27 @@ class Registry:
             pass
         cfg = KeyValueConfig(bucket=self.bucket, ttl=self.ttl, history=1, replicas=self.replicas,
                              limit_marker_ttl=max(1.0, self.ttl), description="vllm-actors registry")
-        try:
-            self._kv = await self.js.create_key_value(cfg)
-            log.info("created KV bucket %s (ttl %.1fs, %d replica%s)", self.bucket, self.ttl, self.replicas,
-                     "" if self.replicas == 1 else "s")
-        except nats.js.errors.BadRequestError:  # created concurrently by another process
-            self._kv = await self.js.key_value(self.bucket)
-            await self._adopt_ttl()
+        loop = asyncio.get_running_loop()
+        started = last_report = loop.time()
+        while True:
+            try:
+                self._kv = await self.js.create_key_value(cfg)
+                log.info("created KV bucket %s (ttl %.1fs, %d replica%s)", self.bucket, self.ttl,
+                         self.replicas, "" if self.replicas == 1 else "s")
+                return
+            except nats.js.errors.BadRequestError as e:
+                if e.err_code != JS_NO_SUITABLE_PEERS:  # created concurrently by another process
+                    self._kv = await self.js.key_value(self.bucket)
+                    await self._adopt_ttl()
+                    return
+            # A cluster answers once a majority is up (wait_for_jetstream), but a bucket of N replicas
+            # needs N servers routed and current: wait for them as that wait does, saying so, instead
+            # of failing the actor's start (and being restarted until its supervisor gives up).
+            if last_report == started or loop.time() - last_report >= PLACEMENT_REPORT_S:
+                last_report = loop.time()
+                log.warning("registry %s: waiting %.0fs for %d JetStream servers to place the bucket on "
+                            "(no suitable peers yet)", self.bucket, loop.time() - started, self.replicas)
+            await asyncio.sleep(0.5)
 
     async def _adopt_ttl(self) -> None:
         """An existing bucket's TTL wins (the heartbeat must beat *its* expiry, not ours)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -119,6 +120,26 @@ async def test_a_host_waits_for_jetstream_until_a_majority_is_up(cluster: Cluste
     await asyncio.wait_for(waiting, ELECTION_TIMEOUT)
     info = await ctx.js.account_info()  # JetStream answers now
     assert info is not None
+
+
+async def test_a_replicated_bucket_waits_for_its_servers(cluster: Cluster, caplog: pytest.LogCaptureFixture) -> None:
+    """Two servers of three elect a meta leader, so JetStream answers; a three-replica bucket still
+    has nowhere to go ("no suitable peers for placement"). Its creation waits, saying so, and ends
+    once the third server is up, instead of failing the actor's start."""
+    await asyncio.gather(cluster.servers["a"].start(), cluster.servers["b"].start())
+    a = await cluster.connect("a")
+    await _jetstream(a)
+    bucket = a.subjects.bucket_instances
+    caplog.set_level(logging.WARNING, logger="bus.registry")
+    creating = asyncio.create_task(a.child().registry(bucket, ttl=30.0).ensure())
+    await asyncio.sleep(3.0)
+    assert not creating.done(), "a three-replica bucket was created (or failed) with two servers up"
+    waits = [r.getMessage() for r in caplog.records if r.name == "bus.registry"]
+    assert any(bucket in w and "waiting" in w and "3 JetStream servers" in w for w in waits), waits
+    await cluster.servers["c"].start()
+    await asyncio.wait_for(creating, ELECTION_TIMEOUT)
+    info = await a.js.stream_info(f"KV_{bucket}")
+    assert info.config.num_replicas == 3
 
 
 async def test_registry_buckets_are_replicated_and_survive_losing_their_leader(cluster: Cluster) -> None:
