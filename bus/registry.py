@@ -84,8 +84,7 @@ class Registry:
             pass
         cfg = KeyValueConfig(bucket=self.bucket, ttl=self.ttl, history=1, replicas=self.replicas,
                              limit_marker_ttl=max(1.0, self.ttl), description="vllm-actors registry")
-        loop = asyncio.get_running_loop()
-        started = last_report = loop.time()
+        reports = _WaitReports(PLACEMENT_REPORT_S)
         while True:
             try:
                 self._kv = await self.js.create_key_value(cfg)
@@ -100,10 +99,9 @@ class Registry:
             # A cluster answers once a majority is up (wait_for_jetstream), but a bucket of N replicas
             # needs N servers routed and current: wait for them as that wait does, saying so, instead
             # of failing the actor's start (and being restarted until its supervisor gives up).
-            if last_report == started or loop.time() - last_report >= PLACEMENT_REPORT_S:
-                last_report = loop.time()
+            if reports.due():
                 log.warning("registry %s: waiting %.0fs for %d JetStream servers to place the bucket on "
-                            "(no suitable peers yet)", self.bucket, loop.time() - started, self.replicas)
+                            "(no suitable peers yet)", self.bucket, reports.waited(), self.replicas)
             await asyncio.sleep(0.5)
 
     async def _adopt_ttl(self) -> None:
@@ -268,6 +266,26 @@ async def live_entries(js: JetStreamContext, kv: KeyValue) -> dict[str, bytes]:
     return {k: v for k, v in zip(keys, values, strict=True) if v is not None}
 
 
+class _WaitReports:
+    """When a wait with no bound says it still waits: at once, then every ``every`` seconds."""
+
+    def __init__(self, every: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._started = self._loop.time()
+        self._every = every
+        self._last: float | None = None
+
+    def waited(self) -> float:
+        return self._loop.time() - self._started
+
+    def due(self) -> bool:
+        now = self._loop.time()
+        if self._last is not None and now - self._last < self._every:
+            return False
+        self._last = now
+        return True
+
+
 async def wait_for_jetstream(nc: Client, on_wait: Callable[[str], None],
                              attempt_timeout: float = 2.0, report_every: float = 10.0) -> None:
     """Return once JetStream answers (``$JS.API.INFO``); until then call ``on_wait`` now and then.
@@ -278,23 +296,21 @@ async def wait_for_jetstream(nc: Client, on_wait: Callable[[str], None],
     peers never come says so (``on_wait``: the log and the supervisor's STATUS=) for as long as it
     waits, which is what an operator starting hosts one by one expects.
     """
-    loop = asyncio.get_running_loop()
-    started = last_report = loop.time()
+    reports = _WaitReports(report_every)
     while True:
         try:
             reply = await honouring_cancel(nc.request(JS_API_INFO, b"", timeout=attempt_timeout))
             error = json.loads(reply.data).get("error")
             if not error:
-                if loop.time() - started > attempt_timeout:
-                    log.info("bus: JetStream answers after %.1fs", loop.time() - started)
+                if reports.waited() > attempt_timeout:
+                    log.info("bus: JetStream answers after %.1fs", reports.waited())
                 return
             problem = f"{error.get('code')} {error.get('description')}"
         except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
             problem = type(e).__name__
         except ValueError:
             problem = "JetStream's answer is not JSON"
-        if loop.time() - last_report >= report_every or last_report == started:
-            last_report = loop.time()
-            on_wait(f"waiting {loop.time() - started:.0f}s for JetStream (a cluster answers once a "
+        if reports.due():
+            on_wait(f"waiting {reports.waited():.0f}s for JetStream (a cluster answers once a "
                     f"majority of its servers is up and routed): {problem}")
         await asyncio.sleep(0.5)

@@ -29,7 +29,6 @@ def together(items: list[pytest.Item], fixture: str) -> None:
     items[:] = rest[:at] + users + rest[at:]
 
 
-
 def vllm_files(root: Path) -> frozenset[str]:
     """The test files (relative to ``root``) that mark a test ``vllm``: read from their text, since
     pytest-xdist's controller schedules by node id and collects nothing itself."""
