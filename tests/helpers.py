@@ -8,7 +8,7 @@ import json
 import os
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,25 @@ async def eventually(cond: Callable[[], object], timeout: float = 5.0) -> None:
         if time.monotonic() > end:
             raise AssertionError("condition not reached")
         await asyncio.sleep(0.02)
+
+
+async def subscribed(sub: Any, probe: Callable[[], Awaitable[object]], timeout: float = 30.0) -> list[list[bytes]]:
+    """Wait until a ZMQ SUB socket's subscription has reached its PUB: call ``probe`` (something
+    that makes the publisher send one message) until a message arrives; every message received
+    meanwhile is returned, so a test can still account for the whole stream.
+
+    A fixed sleep is not enough: PUB drops what it sends before the subscription arrives (the
+    "slow joiner"), and on a loaded machine that took longer than 0.3 s (a CI run lost every
+    live frame of tests/engines/test_mocker_events.py)."""
+    end = time.monotonic() + timeout
+    got: list[list[bytes]] = []
+    while not got:
+        if time.monotonic() > end:
+            raise AssertionError(f"no message on the SUB socket after {timeout} s of probes")
+        await probe()
+        while await sub.poll(200):
+            got.append(await sub.recv_multipart())
+    return got
 
 
 def listening_hosts(port: int) -> set[str]:

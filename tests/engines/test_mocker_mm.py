@@ -22,6 +22,7 @@ from actors.router.kv_router import KvRouter
 from actors.worker.contract import GenerateRequest
 from actors.worker.validation import build_prompt
 from bus.errors import BadRequest
+from tests.helpers import subscribed
 
 BS = 8
 ARGS = {"speedup_ratio": 0, "block_size": BS, "num_gpu_blocks": 128, "max_model_len": 256,
@@ -59,7 +60,7 @@ async def _scenario() -> dict:
         sub = ctx.socket(zmq.SUB)
         sub.connect(src.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-        await asyncio.sleep(0.3)  # PUB/SUB slow joiner
+        await subscribed(sub, e.reset_prefix_cache)  # the empty pool's AllBlocksCleared, dropped
         cached = {
             "a": await _run(e, "a", _mm(UUID_A)),
             "a again": await _run(e, "a2", _mm(UUID_A)),

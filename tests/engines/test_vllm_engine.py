@@ -23,6 +23,7 @@ from actors.engines.protocol import (
     TextPrompt,
     TokensPrompt,
 )
+from tests.helpers import subscribed
 
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
 
@@ -88,10 +89,16 @@ async def test_kv_events_published_over_zmq(agg_engine) -> None:
     sub = ctx.socket(zmq.SUB)
     sub.connect(src.endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-    await asyncio.sleep(0.5)  # ZMQ slow joiner: let the subscription reach the publisher
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     ids = prompt_ids(3, 70)
+    probes = iter(range(1000, 2000))
+
+    async def probe() -> None:  # a one-block prompt of its own: one BlockStored batch
+        n = next(probes)
+        await collect(agg_engine, TokensPrompt(prompt_ids(n, 40)), greedy(1), f"kv-probe-{n}")
+
     try:
+        await subscribed(sub, probe)  # a fixed sleep can lose the slow-joiner race on a loaded box
         await collect(agg_engine, TokensPrompt(ids), greedy(2), "kv-1")
         stored: list[int] = []
         async with asyncio.timeout(10):

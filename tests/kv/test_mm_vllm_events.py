@@ -20,6 +20,7 @@ from actors.engines.protocol import ImageInput, MultiModalInput
 from actors.kv import hashing
 from actors.kv.hashing import MmSpan
 from actors.kv.translate import KvPublisherMetrics, KvTranslator
+from tests.helpers import subscribed
 
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
@@ -110,6 +111,12 @@ class Vlm:
         from actors.models.tiny_vlm import ensure_tiny_vlm
 
         path = str(ensure_tiny_vlm())
+        # Subscribe before vLLM binds (ZMQ reconnects until it does): the subscription has the whole
+        # engine start (~20 s) to reach the PUB, where a sleep after the start gave it 0.5 s.
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.connect(endpoint)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         with applied_env(default_env(True)):
             self.llm = LLM(model=path, enforce_eager=True, block_size=BS, max_model_len=1024,
                            enable_prefix_caching=True, kv_cache_memory_bytes=128 << 20,
@@ -118,10 +125,6 @@ class Vlm:
                                                            endpoint=endpoint))
         self.tok = self.llm.get_tokenizer()
         self.proc = MULTIMODAL_REGISTRY.create_processor(ModelConfig(model=path, max_model_len=1024))
-        self.ctx = zmq.Context()
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.connect(endpoint)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
 
     def expand(self, text: str, images: list[bytes]) -> tuple[list[int], MultiModalInput]:
         """What the frontend does: the rendered ids expanded by vLLM's processor, and the ranges."""
@@ -166,7 +169,7 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vlm]:
     import time
 
     v = Vlm(f"ipc://{tmp_path_factory.mktemp('kv')}/events")  # vLLM binds an ipc endpoint
-    time.sleep(0.5)  # PUB/SUB slow joiner
+    time.sleep(0.5)  # the SUB reconnects every 0.1 s: one more round after vLLM bound, at least
     try:
         yield v
     finally:
@@ -234,7 +237,7 @@ async def _mocker_runs(prompts: list[tuple[list[int], MultiModalInput]]) -> list
         (src,) = e.kv_event_sources()
         sub.connect(src.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        await asyncio.sleep(0.3)  # PUB/SUB slow joiner
+        await subscribed(sub, e.reset_prefix_cache)  # the empty pool's AllBlocksCleared, dropped
         out = []
         for n, (ids, mm) in enumerate(prompts):
             cached = 0

@@ -216,7 +216,7 @@ class HandPublisher:
 
     def __init__(self) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)  # a PUB that also hands the test its subscriptions
         self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.router = self.ctx.socket(zmq.ROUTER)
         self.rport = self.router.bind_to_random_port("tcp://127.0.0.1")
@@ -227,6 +227,13 @@ class HandPublisher:
     def source(self, replay: bool = True) -> KvEventSource:
         return KvEventSource(dp_rank=0, endpoint=f"tcp://127.0.0.1:{self.port}",
                              replay_endpoint=f"tcp://127.0.0.1:{self.rport}" if replay else None)
+
+    async def subscribed(self) -> None:
+        """Wait until the actor's SUB subscription has reached this socket (a fixed sleep lost the
+        race on a loaded machine: PUB drops what it sends before then)."""
+        async with asyncio.timeout(30):
+            frame = await self.pub.recv()
+        assert frame[:1] == b"\x01", frame  # a subscribe, not an unsubscribe
 
     async def send(self, tokens: list[int], hashes: list[int], parent: int | None, drop: bool = False) -> None:
         await self.send_events([stored(hashes, tokens, BS, parent_block_hash=parent)], drop)
@@ -263,7 +270,7 @@ async def test_zmq_gap_is_replayed_or_counted(bus: BusContext, replay: bool) -> 
     pub = KvPublisherActor(bus.child(), "w9", "agg", "mock", BS, [hp.source(replay)], idle_probe=0.2)
     await pub.start()
     try:
-        await asyncio.sleep(0.3)  # slow joiner: let the SUB subscription reach the PUB
+        await hp.subscribed()
         toks = list(range(1, 13))
         await hp.send(toks[0:4], [11], None)
         await hp.send(toks[4:8], [12], 11, drop=True)  # lost on the PUB socket
@@ -296,7 +303,7 @@ async def test_one_engine_batch_is_one_nats_message(bus: BusContext, monkeypatch
     pub = KvPublisherActor(bus.child(), "wb", "agg", "mock", BS, [hp.source()], idle_probe=0.2)
     await pub.start()
     try:
-        await asyncio.sleep(0.3)  # slow joiner: let the SUB subscription reach the PUB
+        await hp.subscribed()
         toks = list(range(1, 13))
         # three requests' blocks stored and one removed in one step: four events, one message
         await hp.send_events([stored([11], toks[0:4], BS), stored([12], toks[4:8], BS, parent_block_hash=11),
