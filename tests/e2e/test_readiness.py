@@ -161,12 +161,16 @@ def progressive_sessions(url: str, sessions: int, turns: int) -> list[list[str]]
 def test_kv_sessions_started_the_moment_the_model_is_listed_stay_on_one_worker(
         tmp_path: Path, home: dict[str, str], started: list[Deployment]) -> None:
     d = default_deployment(tmp_path / "kv", "mocker-kv.toml", home)
+    d.args += ["--log-level", "DEBUG"]  # the router's decisions, with every worker's cost, in the log
     started.append(d)
     d.start()
     d.wait_first_ready(60)  # the moment the model is listed: 8 requests at once, then the sessions
     workers = progressive_sessions(d.url, sessions=8, turns=4)
     split = [w for w in workers if len(set(w)) > 1]
-    assert not split, f"sessions split over workers: {split}"
+    if split:  # say why: the decisions of the sessions' requests (completions) and the feed's news
+        why = [ln for ln in d.log.read_text().splitlines()
+               if "route cmpl-" in ln or "KV feed" in ln or "session" in ln]
+        pytest.fail(f"sessions split over workers: {split}\n" + "\n".join(why)[-20000:])
     shutdown(d)
 
 

@@ -23,6 +23,7 @@ from vllm_helpers import collect, greedy, needs_vllm, tokens_of
 
 from actors.engines.protocol import Engine, LoraRef, TokensPrompt
 from actors.kv import hashing
+from tests.helpers import subscribed
 
 # the engine is the directory's shared one (tests/engines/conftest.py), on the session loop
 pytestmark = [needs_vllm, pytest.mark.vllm, pytest.mark.asyncio(loop_scope="session")]
@@ -67,6 +68,7 @@ class Capture:
     batches: list[Any]  # vllm.distributed.kv_events.KVEventBatch
     seqs: list[int]
     payloads: list[bytes]  # raw msgpack, for the KV publisher's own decoder
+    probes: int  # batches published before the scenario (seqs 0..probes-1)
     outputs: list[list[int]] = field(default_factory=list)  # generated tokens per step
 
     @property
@@ -89,8 +91,18 @@ async def run_scenario(engine: Engine, lora: LoraRef) -> Capture:
     try:
         sub.connect(src.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-        await asyncio.sleep(0.5)  # PUB drops what it sends before the subscription arrives
-        cap = Capture(batches=[], seqs=[], payloads=[])
+        probes = 0
+
+        async def probe() -> None:  # a one-block prompt of its own: one BlockStored batch
+            nonlocal probes
+            probes += 1
+            await collect(engine, TokensPrompt(ids(1000 + probes, BS + 8)), greedy(1),
+                          f"{engine.__class__.__name__}-probe-{probes}")
+
+        # PUB drops what it sends before the subscription arrives: probe until it has (a fixed
+        # sleep can lose that race on a loaded machine); the probes' batches are not captured
+        await subscribed(sub, probe)
+        cap = Capture(batches=[], seqs=[], payloads=[], probes=probes)
         for step in STEPS:
             outs = await collect(engine, TokensPrompt(step.prompt), greedy(step.max_tokens),
                                  f"{engine.__class__.__name__}-{step.rid}",
@@ -161,7 +173,8 @@ SAME_FIELDS = ("block_size", "lora_id", "lora_name", "medium", "extra_keys", "gr
 
 async def test_batches_and_event_types_match(captures) -> None:
     real, mock = captures["vllm"], captures["mocker"]
-    assert real.seqs == list(range(len(real.seqs))) and mock.seqs == list(range(len(mock.seqs)))
+    for cap in (real, mock):  # seq counts from 0 and the scenario follows the probes
+        assert cap.seqs == list(range(cap.probes, cap.probes + len(cap.seqs)))
     # One batch per engine step with events, and the same grouping of events into batches.
     assert [len(b.events) for b in mock.batches] == [len(b.events) for b in real.batches]
     assert [b.data_parallel_rank for b in mock.batches] == [b.data_parallel_rank for b in real.batches]
@@ -257,7 +270,13 @@ async def test_identity_adapter_blocks_route_as_base(agg_engine) -> None:
     try:
         sub.connect(src.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-        await asyncio.sleep(0.5)
+        probes = iter(range(2000, 3000))
+
+        async def probe() -> None:  # a one-block prompt of its own, until its batch arrives
+            n = next(probes)
+            await collect(agg_engine, TokensPrompt(ids(n, BS + 8)), greedy(1), f"identity-probe-{n}")
+
+        await subscribed(sub, probe)  # not captured: the scenario's batches follow
         await collect(agg_engine, TokensPrompt(prompt), greedy(2), "identity-base")
         batches = []
         while True:

@@ -7,7 +7,6 @@ model or route a request because of them, and purges such ghosts.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -38,8 +37,8 @@ async def write_ghost(deploy: Any, instance: str) -> Registry:
 async def test_ghost_records_are_never_routed_to_and_are_purged(deploy: Any, http: aiohttp.ClientSession) -> None:
     instances = await write_ghost(deploy, "agg-0-dead00")
     fe = await deploy.start_frontend()
-    await asyncio.sleep(0.5)  # the watch has delivered the ghost by now
-    assert fe.workers.records() and fe.workers.ready_instances() == []
+    await eventually(lambda: fe.workers.records(), 10)  # the watch has delivered the ghost
+    assert fe.workers.ready_instances() == []
     async with http.get(deploy.url + "/v1/models") as r:
         assert (await r.json())["data"] == []
     async with http.post(deploy.url + "/v1/chat/completions",

@@ -18,7 +18,7 @@ from actors.worker.engine_actor import EngineActor
 from actors.worker.kv_publisher import KvPublisherActor
 from bus.context import BusContext
 from config.topology import FrontendConfig, ModelConfig, PoolConfig
-from tests.helpers import openai_client
+from tests.helpers import eventually, openai_client
 
 MODEL = ModelConfig(name="tiny", path="tiny")
 ARGS = {"speedup_ratio": "inf", "max_model_len": 1024, "block_size": 16}
@@ -26,6 +26,14 @@ ARGS = {"speedup_ratio": "inf", "max_model_len": 1024, "block_size": 16}
 
 def client(fe: FrontendActor) -> AsyncOpenAI:
     return openai_client(f"http://127.0.0.1:{fe.port}")
+
+
+async def index_grew(fe: FrontendActor, before: int) -> int:
+    """Wait until the frontend's index holds more blocks than ``before`` (a request's stored blocks
+    have arrived as KV events; a fixed sleep can lose that race on a loaded machine); the count."""
+    index = fe._router.router.index
+    await eventually(lambda: index.stats()["blocks"] > before, timeout=30)
+    return index.stats()["blocks"]
 
 
 @pytest.fixture
@@ -64,6 +72,7 @@ async def test_progressive_prefix_stays_on_one_worker(kv_stack: Any) -> None:
     c = client(fe)
     words = " ".join(f"w{i}" for i in range(400))
     served = []
+    blocks = 0
     for turn in range(4):
         # each turn extends the previous conversation (a chat session growing block by block)
         content = words[: 400 + 120 * turn]
@@ -71,7 +80,7 @@ async def test_progressive_prefix_stays_on_one_worker(kv_stack: Any) -> None:
             model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2,
             extra_body={"ignore_eos": True})
         served.append(raw.headers[WORKER_HEADER])
-        await asyncio.sleep(0.3)  # the stored blocks reach the frontend's index as KV events
+        blocks = await index_grew(fe, blocks)  # this turn's blocks are in the index: the next finds them
     assert len(set(served)) == 1, served
     stats = policy.router.stats()
     assert stats["index"]["blocks"] > 0 if "blocks" in stats["index"] else stats["index"]
@@ -171,13 +180,14 @@ async def test_disaggregated_session_prefills_on_one_prefill_worker(bus: BusCont
         c = client(fe)
         words = " ".join(f"d{i}" for i in range(400))
         prefills, decodes = [], []
+        blocks = 0
         for turn in range(4):
             raw = await c.chat.completions.with_raw_response.create(
                 model="tiny", messages=[{"role": "user", "content": words[: 400 + 120 * turn]}], max_tokens=2,
                 extra_body={"ignore_eos": True})
             prefills.append(raw.headers[PREFILL_HEADER])
             decodes.append(raw.headers[WORKER_HEADER])
-            await asyncio.sleep(0.3)  # the prefill worker's stored blocks reach the index
+            blocks = await index_grew(fe, blocks)  # the prefill worker's stored blocks are in the index
         assert len(set(prefills)) == 1 and prefills[0].startswith("prefill"), prefills
         assert all(d.startswith("decode") for d in decodes) and not set(prefills) & set(decodes)
     finally:
