@@ -72,7 +72,14 @@ async def test_planner_scales_a_pool_from_zero_and_back(tmp_path_factory: pytest
             assert_complete(results)
             assert len(await replicas(d)) == 1  # the one the demand spawned; no decision grew it (below)
             assert took < 3 * INTERVAL + 10, took  # not a decision later: the demand is acted on at once
-            status = await nats_json(d, f"{d.namespace}.planner.status")
+
+            async def spawned() -> dict[str, Any] | None:
+                # the spawn's outcome is recorded when the root answers it (the whole worker up),
+                # which can come after the engine registered and served the held requests
+                status = await nats_json(d, f"{d.namespace}.planner.status")
+                return status if any(o["action"] == "spawn" for o in status.get("wakes", [])) else None
+
+            status = await until(d, spawned, 10, "the spawn's outcome in planner.status")
             spawns = [o for o in status["wakes"] if o["action"] == "spawn"]
             assert spawns and spawns[-1]["outcome"] == "ok", status
             assert spawns[-1]["by"].startswith("planner"), spawns
