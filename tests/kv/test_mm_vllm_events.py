@@ -111,8 +111,8 @@ class Vlm:
         from actors.models.tiny_vlm import ensure_tiny_vlm
 
         path = str(ensure_tiny_vlm())
-        # Subscribe before vLLM binds (ZMQ reconnects until it does): the subscription has the whole
-        # engine start (~20 s) to reach the PUB, where a sleep after the start gave it 0.5 s.
+        # Subscribe before vLLM binds (ZMQ reconnects until it does): the subscription travels as
+        # soon as vLLM's PUB is bound, during the engine start, not only once LLM() has returned.
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.connect(endpoint)
