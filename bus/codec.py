@@ -72,13 +72,15 @@ def decode(data: bytes, headers: Mapping[str, str] | None = None, type: type[T] 
     except msgspec.DecodeError as e:
         # msgspec >= 0.23 reports invalid UTF-8 as a DecodeError ("Invalid UTF-8 encoded string");
         # older releases raise UnicodeDecodeError. Either way the sender reads the same message.
-        if "UTF-8" in str(e):
-            raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: {INVALID_UTF8}") from None
-        raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: {e}") from None
+        raise _malformed(mp, INVALID_UTF8 if "UTF-8" in str(e) else str(e)) from None
     except UnicodeDecodeError:
-        raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: {INVALID_UTF8}") from None
+        raise _malformed(mp, INVALID_UTF8) from None
     except RecursionError:
-        raise BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: nested too deeply") from None
+        raise _malformed(mp, "nested too deeply") from None
+
+
+def _malformed(mp: bool, detail: str) -> BadRequest:
+    return BadRequest(f"malformed {'msgpack' if mp else 'JSON'} payload: {detail}")
 
 
 def to_builtins(obj: Any) -> Any:
