@@ -26,23 +26,27 @@ async def eventually(cond: Callable[[], object], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def subscribed(sub: Any, probe: Callable[[], Awaitable[object]], timeout: float = 30.0) -> list[list[bytes]]:
-    """Wait until a ZMQ SUB socket's subscription has reached its PUB: call ``probe`` (something
-    that makes the publisher send one message) until a message arrives; every message received
-    meanwhile is returned, so a test can still account for the whole stream.
+async def subscribed(sub: Any, probe: Callable[[int], Awaitable[object]],
+                     timeout: float = 30.0) -> tuple[int, list[list[bytes]]]:
+    """Wait until a ZMQ SUB socket's subscription has reached its PUB: call ``probe(n)`` (n = 1, 2,
+    ...: something that makes the publisher send one message) until a message arrives. Returns how
+    many probes were sent and every message received meanwhile, so a test can still account for
+    the whole stream (those sent before the subscription arrived are lost, as PUB does).
 
     A fixed sleep is not enough: PUB drops what it sends before the subscription arrives (the
     "slow joiner"), and on a loaded machine that took longer than 0.3 s (a CI run lost every
     live frame of tests/engines/test_mocker_events.py)."""
     end = time.monotonic() + timeout
     got: list[list[bytes]] = []
+    sent = 0
     while not got:
         if time.monotonic() > end:
             raise AssertionError(f"no message on the SUB socket after {timeout} s of probes")
-        await probe()
+        sent += 1
+        await probe(sent)
         while await sub.poll(200):
             got.append(await sub.recv_multipart())
-    return got
+    return sent, got
 
 
 def listening_hosts(port: int) -> set[str]:

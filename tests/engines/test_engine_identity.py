@@ -91,17 +91,14 @@ async def run_scenario(engine: Engine, lora: LoraRef) -> Capture:
     try:
         sub.connect(src.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-        probes = 0
 
-        async def probe() -> None:  # a one-block prompt of its own: one BlockStored batch
-            nonlocal probes
-            probes += 1
-            await collect(engine, TokensPrompt(ids(1000 + probes, BS + 8)), greedy(1),
-                          f"{engine.__class__.__name__}-probe-{probes}")
+        async def probe(n: int) -> None:  # a one-block prompt of its own: one BlockStored batch
+            await collect(engine, TokensPrompt(ids(1100 + n, BS + 8)), greedy(1),
+                          f"{engine.__class__.__name__}-probe-{n}")
 
         # PUB drops what it sends before the subscription arrives: probe until it has (a fixed
         # sleep can lose that race on a loaded machine); the probes' batches are not captured
-        await subscribed(sub, probe)
+        probes, _ = await subscribed(sub, probe)
         cap = Capture(batches=[], seqs=[], payloads=[], probes=probes)
         for step in STEPS:
             outs = await collect(engine, TokensPrompt(step.prompt), greedy(step.max_tokens),
@@ -270,11 +267,9 @@ async def test_identity_adapter_blocks_route_as_base(agg_engine) -> None:
     try:
         sub.connect(src.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-        probes = iter(range(2000, 3000))
 
-        async def probe() -> None:  # a one-block prompt of its own, until its batch arrives
-            n = next(probes)
-            await collect(agg_engine, TokensPrompt(ids(n, BS + 8)), greedy(1), f"identity-probe-{n}")
+        async def probe(n: int) -> None:  # a one-block prompt of its own, until its batch arrives
+            await collect(agg_engine, TokensPrompt(ids(1200 + n, BS + 8)), greedy(1), f"identity-probe-{n}")
 
         await subscribed(sub, probe)  # not captured: the scenario's batches follow
         await collect(agg_engine, TokensPrompt(prompt), greedy(2), "identity-base")

@@ -40,14 +40,10 @@ async def _scenario() -> dict:
         sub = ctx.socket(zmq.SUB)
         sub.connect(src.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-        probes = 0
-
-        async def probe() -> None:  # an empty pool's reset: one AllBlocksCleared batch, no state
-            nonlocal probes
-            probes += 1
+        async def probe(_: int) -> None:  # an empty pool's reset: one AllBlocksCleared batch, no state
             assert await e.reset_prefix_cache() is True
 
-        early = await subscribed(sub, probe)
+        probes, early = await subscribed(sub, probe)
 
         async def run(rid: str, prompt: list[int]) -> None:
             async for _ in e.generate(TokensPrompt(prompt), SamplingOptions(max_tokens=4), rid):

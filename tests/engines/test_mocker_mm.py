@@ -60,7 +60,7 @@ async def _scenario() -> dict:
         sub = ctx.socket(zmq.SUB)
         sub.connect(src.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
-        await subscribed(sub, e.reset_prefix_cache)  # the empty pool's AllBlocksCleared, dropped
+        await subscribed(sub, lambda _: e.reset_prefix_cache())  # the empty pool's AllBlocksCleared, dropped
         cached = {
             "a": await _run(e, "a", _mm(UUID_A)),
             "a again": await _run(e, "a2", _mm(UUID_A)),

@@ -91,11 +91,12 @@ async def test_kv_events_published_over_zmq(agg_engine) -> None:
     sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
     decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
     ids = prompt_ids(3, 70)
-    probes = iter(range(1000, 2000))
 
-    async def probe() -> None:  # a one-block prompt of its own: one BlockStored batch
-        n = next(probes)
-        await collect(agg_engine, TokensPrompt(prompt_ids(n, 40)), greedy(1), f"kv-probe-{n}")
+    # a one-block prompt of its own: one BlockStored batch. Prompts depend on the seed mod 2000;
+    # test_engine_identity probes the same shared engine from 1100 and 1200 (a cached block
+    # would send no event)
+    async def probe(n: int) -> None:
+        await collect(agg_engine, TokensPrompt(prompt_ids(1000 + n, 40)), greedy(1), f"kv-probe-{n}")
 
     try:
         await subscribed(sub, probe)  # a fixed sleep can lose the slow-joiner race on a loaded box

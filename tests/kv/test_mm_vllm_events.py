@@ -237,7 +237,7 @@ async def _mocker_runs(prompts: list[tuple[list[int], MultiModalInput]]) -> list
         (src,) = e.kv_event_sources()
         sub.connect(src.endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        await subscribed(sub, e.reset_prefix_cache)  # the empty pool's AllBlocksCleared, dropped
+        await subscribed(sub, lambda _: e.reset_prefix_cache())  # the empty pool's AllBlocksCleared, dropped
         out = []
         for n, (ids, mm) in enumerate(prompts):
             cached = 0
