@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import ctypes
 import ipaddress
 import os
@@ -282,8 +283,15 @@ class Host:
             for lp in self._loops:
                 lp.close()
         finally:  # a loop whose tasks ignore cancellation must not keep the namespace alive
+            # Our own children first, by their sessions: one started just before may not have
+            # entered the namespace yet (`ip netns exec` joins it after Popen returns), so
+            # `ip netns pids` misses it and it would outlive the namespace's name.
+            for p in self._procs:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
             _delete(self.netns)
-            for p in self._procs:  # reap our children (SIGKILLed by _delete): no zombie stays
+            for p in self._procs:  # reap our children: no zombie stays
                 p.wait(_KILL_WAIT_S)
 
 
