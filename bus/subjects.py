@@ -36,6 +36,10 @@ BATCH_TOKEN = "batch"
 # On a KV event message (``ns.kv.events.<instance>``): its payload is an array of this many events,
 # in event-id order (what one engine step changed); without the header, the payload is one event.
 KV_BATCH = "Kv-Batch"
+# W3C trace context (bus.tracing): on an HTTP request from a client, and on a NATS request from the
+# frontend to a worker, whose spans then join the frontend's trace. Lower case, as the W3C spells them.
+TRACEPARENT = "traceparent"
+TRACESTATE = "tracestate"
 
 
 def stream_batch_subject(caller: str) -> str:

@@ -59,6 +59,7 @@ def check_topology(t: Topology, fail: Fail) -> None:
     _check_cluster(t, fail, token, port)
 
     _check_supervisor(t.supervisor, "supervisor", fail, positive)
+    _check_tracing(t, fail)
 
     if t.model is not None:
         positive("model.migration_limit", t.model.migration_limit, zero_ok=True)
@@ -199,6 +200,14 @@ def _check_cluster(t: Topology, fail: Any, token: Any, port: Any) -> None:
         if missing:
             fail("bus.cluster.servers", f"host(s) {', '.join(missing)} of this topology run no server: "
                  "add them (every host connects to its own server on 127.0.0.1)")
+
+
+def _check_tracing(t: Topology, fail: Any) -> None:
+    tr = t.tracing
+    if tr.endpoint is not None and not tr.endpoint.startswith(("http://", "https://")):
+        fail("tracing.endpoint", f"expected an OTLP/HTTP URL (http[s]://host:port/v1/traces), got {tr.endpoint!r}")
+    if not 0.0 <= tr.sample_ratio <= 1.0:
+        fail("tracing.sample_ratio", f"expected a share in 0..1, got {tr.sample_ratio}")
 
 
 def _check_supervisor(s: Any, prefix: str, fail: Any, positive: Any) -> None:

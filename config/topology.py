@@ -389,6 +389,21 @@ class PlannerConfig(_Strict):
         return 180.0 if self.mode == "throughput" else 5.0
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces of requests (``bus.tracing``). Off unless ``endpoint`` is set; off, no
+    span is made and no header is added to a message."""
+
+    # an OTLP/HTTP (protobuf) traces receiver, e.g. an OpenTelemetry Collector's
+    # http://127.0.0.1:4318/v1/traces; every process of the deployment exports there
+    endpoint: str | None = None
+    # the share of the requests this deployment starts a trace for; a request that arrives with a
+    # client's traceparent follows the client's sampled flag instead (W3C parent-based sampling)
+    sample_ratio: float = 1.0
+    # vLLM engines export their own request spans there too (its otlp_traces_endpoint), as children
+    # of the worker's engine span
+    engine_spans: bool = True
+
+
 class SystemdConfig(_Strict):
     user: str | None = None
     working_directory: str | None = None
@@ -411,6 +426,7 @@ class Topology(_Strict):
     planner: PlannerConfig = msgspec.field(default_factory=PlannerConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
     systemd: SystemdConfig = msgspec.field(default_factory=SystemdConfig)
+    tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     run_dir: str | None = None  # logs, store dir, sockets (default ~/.cache/vllm-actors/run/<ns>)
     echo: bool = False  # start the echo example actor
     # one echo actor per listed host (instance = host name)

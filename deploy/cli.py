@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bus import event_loop
+from bus import event_loop, tracing
 from bus.auth_callout import WorkerAuthority
 from bus.process_exit import exit_process
 from config.credentials import scoped_workers_problem
@@ -197,6 +197,10 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     log.info("namespace %s: starting %s (hosts %s; bus %s)", t.namespace, name, ", ".join(hosts), _bus_words(t))
+    fe = t.frontend
+    if fe.enabled and fe.host in hosts and fe.processes <= 1:  # the frontend runs in this process
+        tracing.configure(t.tracing, service="vllm-actors-frontend", namespace=t.namespace,
+                          instance=f"frontend-{fe.host}")
     rejected: list[TopologyError] = []
     checking = asyncio.create_task(_check_vllm_beside_the_start(t, hosts, topology_path, overrides, stop, rejected))
     try:
@@ -207,6 +211,7 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
             await checking
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        tracing.shutdown()  # what is buffered leaves before the process does
     if rejected:
         code = EXIT_USAGE
     log.info("supervisor %s exits with %d", name, code)

@@ -26,6 +26,9 @@ _.wakes  # PlannerStatus: the keeper's recent outcomes (read as JSON: nats req <
 # result fields written to the benchmark's JSON output (bench/frontend_bench.py).
 _.latency_avg, _.wrk_cpu_s
 
+# http.server calls these by name (tests/otlp_receiver.py).
+_.do_POST, _.log_message
+
 # pytest reads these by name.
 pytestmark
 _.optionxform  # configparser: keep the case of systemd keys (tests/deploy/test_systemd.py)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Literal
 
 import msgspec
@@ -224,8 +224,12 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompt: Prompt, sampling: SamplingOptions, request_id: str,
                  lora: LoraRef | None = None,
-                 kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[EngineOutput]:
-        """Stream delta outputs; the last one has ``finish_reason``. Raises EngineDeadError."""
+                 kv_transfer_params: dict[str, Any] | None = None,
+                 trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[EngineOutput]:
+        """Stream delta outputs; the last one has ``finish_reason``. Raises EngineDeadError.
+        ``trace_headers``: the W3C trace context of the worker's engine span when the request is
+        traced; an engine that makes spans of its own (vLLM with otlp_traces_endpoint) makes them
+        its children."""
 
     async def encode(self, mm: MultiModalInput, token_ids: list[int], request_id: str, *,
                      cached: bool = True) -> list[tuple[str, bytes]]:

@@ -79,6 +79,7 @@ class VllmEngine(Engine):
         self._consume: ConsumeSide | None = None  # an ec_consumer's staging (vllm_epd)
         self._encode_side: EncodeSide | None = None  # an encode engine's runs and cache (vllm_epd)
         self._engine_args = dict(engine_args)
+        self._traced = bool(self._engine_args.get("otlp_traces_endpoint"))  # vLLM exports spans of its own
         self._served_model_name = served_model_name
         self._kv_events_port = kv_events_port
         self._env = dict(env or {})
@@ -248,7 +249,8 @@ class VllmEngine(Engine):
     # --- generate -------------------------------------------------------------------------------
     async def generate(self, prompt: Prompt, sampling: SamplingOptions, request_id: str,
                        lora: LoraRef | None = None,
-                       kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[EngineOutput]:
+                       kv_transfer_params: dict[str, Any] | None = None,
+                       trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[EngineOutput]:
         llm = self._live()
         params = sampling_params(sampling, self.role, kv_transfer_params)
         # images are decoded off the event loop (a large one takes tens of ms; other streams wait)
@@ -257,7 +259,9 @@ class VllmEngine(Engine):
         # ValueError for an encoder output this engine cannot load
         staged = self._consume.stage(prompt) if self._consume is not None else []
         stream = llm.generate(inputs, params, request_id, lora_request=lora_request(lora or self._identity),
-                              reasoning_ended=sampling.reasoning_ended)
+                              reasoning_ended=sampling.reasoning_ended,
+                              # vLLM warns on every request given a context it has no endpoint for
+                              trace_headers=trace_headers if self._traced else None)
         first = True
         try:
             async for out in stream:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 
@@ -85,7 +86,9 @@ class Choice:
 def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decode_only: bool,
                   session: str | None = None,
                   migration_limit: int, on_migrate: Callable[[], None] | None = None,
-                  on_quarantine: Callable[[], None] | None = None, migration_wait: float = MIGRATION_WAIT) -> list[Choice]:
+                  on_quarantine: Callable[[], None] | None = None, migration_wait: float = MIGRATION_WAIT,
+                  trace: Any = None) -> list[Choice]:
+    """One flow per prompt and ``n``; ``trace``: the request's span context, when it is traced."""
     choices = []
     idx = 0
     for p, (ids, text) in enumerate(plan.prompts):
@@ -99,7 +102,7 @@ def build_choices(plan: Plan, deps: FlowDeps, *, target: str | None, allow_decod
                             chat=plan.chat_prompt, mm=plan.mm, lora=plan.lora, target=target,
                             session=session if plan.n == 1 and len(plan.prompts) == 1 else None,
                             allow_decode_only=allow_decode_only, migration_limit=migration_limit,
-                            migration_wait=migration_wait)
+                            migration_wait=migration_wait, trace=trace)
             choices.append(Choice(idx, CompletionFlow(spec, deps, on_migrate, on_quarantine), plan, ids))
             idx += 1
     return choices

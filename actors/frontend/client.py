@@ -56,9 +56,9 @@ class WorkerClient:
         self.stall_timeout = stall_timeout
         self.probe_timeout = probe_timeout
 
-    def stream(self, worker: Worker, req: GenerateRequest) -> StreamCall:
+    def stream(self, worker: Worker, req: GenerateRequest, headers: dict[str, str] | None = None) -> StreamCall:
         return stream_request(self.bus.nc, worker.subject, req, stall_timeout=self.stall_timeout,
-                              msgpack=True, chunk_type=GenerateChunk)
+                              msgpack=True, chunk_type=GenerateChunk, headers=headers)
 
     async def encode(self, worker: Worker, req: EncodeRequest) -> EncodeReply:
         """An encode worker's outputs for a prompt's images (E/P/D); a unary request bounded by the

@@ -32,6 +32,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import msgspec
 
@@ -48,6 +50,7 @@ from bus.errors import (
 )
 from config.topology import MIGRATION_WAIT
 
+from . import request_trace
 from .discovery import ModelEntry, Worker, WorkerSet
 from .encode_step import encode_images, with_outputs
 from .quarantine import DEATHS_TO_QUARANTINE, Quarantine, fingerprint
@@ -106,6 +109,7 @@ class FlowSpec:
     prompt_embeds: str | None = None  # base64 torch tensor (a /v1/completions prompt_embeds)
     chat: ChatPrompt | None = None  # text mode: a chat the worker renders with the chat template
     mm: MultiModalInput | None = None  # the images of token_ids (expanded by the frontend's processor)
+    trace: Any = None  # the HTTP request's span context when it is traced (bus.tracing): attempts go under it
 
     def resume_refusal(self) -> str | None:
         """Why this request cannot continue on another worker once tokens were produced, if so."""
@@ -174,18 +178,25 @@ class CompletionFlow:
                     return None
                 raise Overloaded(f"no prefill worker left for model {spec.model.name} and decode-only "
                                  f"fallback is off (model.allow_decode_only)")
-            worker = self.router.choose(pool, spec.token_ids, failed, request_id=f"{spec.request_id}-p",
-                                        mm=self._mm_spans)
+            att = request_trace.attempt(spec.trace, "prefill", len(failed) + 1, spec.request_id)
+            worker = request_trace.choose(att, pool, len(failed), self.router, partial(
+                self.router.choose, pool, spec.token_ids, failed, request_id=f"{spec.request_id}-p",
+                mm=self._mm_spans))
             try:
-                last, call = await self._prefill_on(worker)
-                break
-            except MIGRATABLE as e:
+                last, call = await self._prefill_on(worker, att)
+            except BaseException as e:
+                request_trace.ended(att, e)
+                if not isinstance(e, MIGRATABLE):
+                    raise
                 failed.add(worker.instance)
                 if len(failed) > spec.migration_limit:
                     if spec.allow_decode_only:
                         return None
                     raise
                 log.warning("prefill on %s failed (%s); trying another prefill worker", worker.instance, e)
+                continue
+            request_trace.ended(att, None)
+            break
         params = None
         if last is not None:
             if last.disaggregated_params is not None:
@@ -201,7 +212,7 @@ class CompletionFlow:
                              prompt_tokens=usage.prompt_tokens if usage else None,
                              cached_tokens=usage.cached_tokens if usage else None)
 
-    async def _prefill_on(self, worker: Worker) -> tuple[GenerateChunk | None, WorkerStream]:
+    async def _prefill_on(self, worker: Worker, att: Any) -> tuple[GenerateChunk | None, WorkerStream]:
         spec = self.spec
         sampling = msgspec.structs.replace(spec.sampling, max_tokens=1, min_tokens=0, logprobs=None,
                                            stop=[], structured=None)
@@ -209,7 +220,7 @@ class CompletionFlow:
                               prompt=spec.prompt, prompt_embeds=spec.prompt_embeds, chat=spec.chat,
                               mm=spec.mm, sampling=sampling, lora_name=spec.lora)
         last: GenerateChunk | None = None
-        call = self.link.stream(worker, req)
+        call = self.link.stream(worker, req, headers=request_trace.tracing.headers(att))
         try:
             async for chunk in call:
                 last = chunk
@@ -249,42 +260,54 @@ class CompletionFlow:
                 pool = await self._probation_pool(pool, target)
             req = self._request(prefill, produced, produced_text)
             router = self.router
-            worker = router.choose(pool, req.token_ids, st.failed, target=target, lora=spec.lora, mm=self._mm_spans,
-                                   request_id=req.request_id, session=spec.session)
+            att = request_trace.attempt(spec.trace, "decode" if spec.model.has_prefill_pool else "generate",
+                                     st.migrations + 1, spec.request_id)
+            worker = request_trace.choose(att, pool, len(st.failed), router, partial(
+                router.choose, pool, req.token_ids, st.failed, target=target, lora=spec.lora, mm=self._mm_spans,
+                request_id=req.request_id, session=spec.session))
             if suspect:
                 self.probation.hold(worker, spec.request_id)
+            n_before = len(produced)
+            done: BaseException | None = None  # what ended this attempt, when it failed
             try:
-                call = self.link.stream(worker, req)
-                first = True
-                answered = False  # the worker took the request (a chunk, a heartbeat or an error came back)
                 try:
-                    async for chunk in call:
-                        if not answered and suspect:  # the engine took it and ran its prompt
-                            self.probation.release(worker, spec.request_id)
-                        answered = True
-                        st.worker_instance = call.instance or worker.instance
-                        self._account(chunk, first_attempt=not produced and st.migrations == 0)
-                        produced.extend(chunk.token_ids)
-                        if chunk.token_ids:
-                            router.tokens(req.request_id, len(chunk.token_ids), first)  # type: ignore[arg-type]
-                            first = False
-                        if chunk.text:
-                            produced_text.append(chunk.text)
-                        yield chunk
-                        if chunk.finish_reason is not None:
-                            return
-                    # ended cleanly without a finish reason: the worker lost the request
-                    err = TransportError(f"stream from {worker.instance} ended without a finish reason")
-                except MIGRATABLE as e:
-                    err = e
+                    call = self.link.stream(worker, req, headers=request_trace.tracing.headers(att))
+                    first = True
+                    answered = False  # the worker took the request (a chunk, a heartbeat or an error came back)
+                    try:
+                        async for chunk in call:
+                            if not answered and suspect:  # the engine took it and ran its prompt
+                                self.probation.release(worker, spec.request_id)
+                            answered = True
+                            st.worker_instance = call.instance or worker.instance
+                            self._account(chunk, first_attempt=not produced and st.migrations == 0)
+                            produced.extend(chunk.token_ids)
+                            if chunk.token_ids:
+                                router.tokens(req.request_id, len(chunk.token_ids), first)  # type: ignore[arg-type]
+                                first = False
+                            if chunk.text:
+                                produced_text.append(chunk.text)
+                            yield chunk
+                            if chunk.finish_reason is not None:
+                                return
+                        # ended cleanly without a finish reason: the worker lost the request
+                        err = TransportError(f"stream from {worker.instance} ended without a finish reason")
+                    except MIGRATABLE as e:
+                        err = e
+                    finally:
+                        router.finished(req.request_id)  # type: ignore[arg-type]
+                        await call.aclose()
+                    answered = answered or call.instance is not None
+                    await self._judge(worker, err, answered)
+                    done = err
                 finally:
-                    router.finished(req.request_id)  # type: ignore[arg-type]
-                    await call.aclose()
-                answered = answered or call.instance is not None
-                await self._judge(worker, err, answered)
+                    if suspect:  # a no-op when its first chunk or its death released it
+                        self.probation.release(worker, spec.request_id)
+            except BaseException as e:
+                done = e
+                raise
             finally:
-                if suspect:  # a no-op when its first chunk or its death released it
-                    self.probation.release(worker, spec.request_id)
+                request_trace.ended(att, done, tokens=len(produced) - n_before)
             remaining = spec.sampling.max_tokens - len(produced)
             if st.migrations >= spec.migration_limit:
                 if not produced and st.migrations == 0 and isinstance(err, Overloaded):

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from actors.instances.contract import InstanceRecord
 from actors.instances.watch import RETRY, BucketWatch
 from actors.kv.hashing import MmSpan
-from actors.router.cost import RouterConfig
+from actors.router.cost import RouterConfig, RoutingDecision
 from actors.router.feed import KvRouterFeed
 from actors.router.kv_router import KvRouter
 from actors.router.metrics import RouterMetrics
@@ -63,6 +63,7 @@ class KvPolicy:
         self.model = model
         self.router: KvRouter | None = None
         self.feed: KvRouterFeed | None = None
+        self.last_decision: RoutingDecision | None = None
         self.feed_started = asyncio.Event()
         self._feed_task: asyncio.Task[None] | None = None
         self._rr = itertools.count()
@@ -162,6 +163,7 @@ class KvPolicy:
         cands = _candidates(pool, exclude, target)
         router = self.router or self._ensure(cands)
         feed = self.feed
+        self.last_decision = None
         if router is None or feed is None or not request_tokens:
             # No block size known yet, or text mode: nothing to hash.
             return cands[next(self._rr) % len(cands)]
@@ -174,8 +176,8 @@ class KvPolicy:
             router.pin(request_tokens, ranks[0], request_id=request_id, lora_name=lora, mm=mm)
             return cands[0]
         sizes = feed.block_sizes() or {(w.instance, 0): w.block_size for w in cands}
-        decision = router.route(request_tokens, ranks, request_id=request_id, lora_name=lora,
-                                block_sizes=sizes, mm=mm, session=session)
+        decision = self.last_decision = router.route(request_tokens, ranks, request_id=request_id, lora_name=lora,
+                                                     block_sizes=sizes, mm=mm, session=session)
         return by_instance[decision.instance]
 
     def tokens(self, request_id: str, n: int, first: bool) -> None:

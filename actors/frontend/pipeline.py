@@ -22,6 +22,7 @@ from aiohttp import web
 from bus.errors import ActorError, Overloaded
 from config.topology import MIGRATION_WAIT, FrontendConfig, ModelConfig
 
+from . import request_trace
 from .api_shape import ApiShape
 from .choices import Arrival, Choice, build_choices, merged
 from .cold import ColdGate, held_model
@@ -85,6 +86,8 @@ class CompletionPipeline:
         status = 500
         early: _EarlyStream | None = None  # a stream held for a cold model: its keep-alives
         t_obs = t0  # when the planner's TTFT starts: after a hold (a wake's wait is not engine load)
+        span = request_trace.http(request, endpoint)  # None: tracing is off
+        plan_span = request_trace.child(span, "plan")
         try:
             if shape is not None:
                 # the chat request the shape made is already validated; the raw body is the other
@@ -114,8 +117,11 @@ class CompletionPipeline:
                     plan = plan_request(req, entry, lora, name, pre, body, parsers)
             finally:
                 series.queued.dec()
+            request_trace.ended(plan_span, None)
+            plan_span = None
             choices = self._choices(plan, target=request.headers.get(WORKER_HEADER),
-                                    session=request.headers.get(SESSION_HEADER))
+                                    session=request.headers.get(SESSION_HEADER),
+                                    trace=request_trace.tracing.context_of(span))
             for c in choices:  # each choice is one engine request the planner sees
                 c.obs = m.observations.start(t_obs)
             for ids, _ in plan.prompts:
@@ -151,6 +157,9 @@ class CompletionPipeline:
             raise
         finally:
             m.request_done(endpoint, series.name if series is not None else "unknown", status)
+            if span is not None:
+                request_trace.ended(plan_span, None)  # a request refused while being planned
+                request_trace.http_done(span, status, series.name if series is not None else None)
 
     async def _hold(self, model: str | None, early: _EarlyStream | None) -> bool:
         """Hold a request for a cold model until it serves (``cold.ColdGate``); False when the model
@@ -198,7 +207,7 @@ class CompletionPipeline:
             parsers = self._parsers[key] = ModelParsers(tool, reasoning, pre.hf)
         return parsers
 
-    def _choices(self, plan: Plan, target: str | None, session: str | None = None) -> list[Choice]:
+    def _choices(self, plan: Plan, target: str | None, session: str | None = None, trace: Any = None) -> list[Choice]:
         """The plan's flows, under the topology's migration settings for its model (the card's
         when this frontend's topology does not name the model)."""
         entry = plan.entry
@@ -210,7 +219,7 @@ class CompletionPipeline:
             migration_limit=mc.migration_limit if mc is not None else entry.card.migration_limit,
             on_migrate=series.migrations.inc,
             on_quarantine=series.quarantined.inc,
-            migration_wait=mc.migration_wait if mc is not None else MIGRATION_WAIT)
+            migration_wait=mc.migration_wait if mc is not None else MIGRATION_WAIT, trace=trace)
 
     async def _frames(self, out: ResponseBuilder, first: Arrival | None, arrivals: AsyncIterator[Arrival],
                       t_first: float) -> AsyncIterator[tuple[list[bytes], bool]]:

@@ -22,7 +22,7 @@ import signal
 import socket
 import sys
 
-from bus import event_loop
+from bus import event_loop, tracing
 from bus.connection import until_closed
 from bus.context import open_context
 from bus.process_exit import exit_process
@@ -54,6 +54,8 @@ async def run_frontend(t: Topology, index: int, sock: socket.socket, supervisors
     fe = t.frontend
     node = frontend_child_id(index)
     stop = stop or asyncio.Event()
+    tracing.configure(t.tracing, service="vllm-actors-frontend", namespace=t.namespace,
+                      instance=frontend_instance(fe.host, index))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -84,6 +86,7 @@ async def run_frontend(t: Topology, index: int, sock: socket.socket, supervisors
         await cancel_and_wait([lost])
         await service.stop()
         await ctx.close()
+        tracing.shutdown()  # what is buffered leaves before the process does
     if bus_lost:
         log.error("frontend %s: its NATS connection was closed for good; exiting so it is restarted", node)
         return EXIT_FAILED

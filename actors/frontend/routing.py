@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from actors.kv.hashing import MmSpan
+from actors.router.cost import RoutingDecision
 from bus.errors import BadRequest, NotFound, Overloaded
 
 from .discovery import Worker
@@ -28,6 +29,9 @@ class Router(Protocol):
     ``finished`` releases it (also after a failure or migration)."""
 
     name: str
+    # the decision behind the last ``choose``, when the policy weighs workers (kv): read right after
+    # it (the event loop runs one choose at a time) by the route span (actors.frontend.flow_trace)
+    last_decision: RoutingDecision | None
 
     def choose(self, pool: Sequence[Worker], request_tokens: Sequence[int] | None,
                exclude: set[str], *, target: str | None = None, lora: str | None = None,
@@ -43,6 +47,8 @@ class Router(Protocol):
 
 class _Stateless:
     """No-op lifecycle hooks for policies that keep no per-request state."""
+
+    last_decision: RoutingDecision | None = None
 
     def tokens(self, request_id: str, n: int, first: bool) -> None:
         pass

@@ -35,7 +35,9 @@ class Liveness(Enum):
 class WorkerLink(EncodeLink, Protocol):
     """The flow's view of the bus (``actors.frontend.client.WorkerClient``)."""
 
-    def stream(self, worker: Worker, req: GenerateRequest) -> WorkerStream: ...
+    def stream(self, worker: Worker, req: GenerateRequest, headers: dict[str, str] | None = None) -> WorkerStream:
+        """``headers``: added to the request's (the trace context, when the request is traced)."""
+        ...
 
     async def connected(self) -> bool: ...
 

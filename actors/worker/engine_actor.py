@@ -58,7 +58,7 @@ from actors.worker.health import probe_worker
 from actors.worker.metrics import WorkerMetrics, load_reports
 from actors.worker.serving import EngineService
 from actors.worker.sleep import SleepController
-from bus import codec
+from bus import codec, tracing
 from bus import subjects as S
 from bus.errors import BadRequest, NotFound
 from bus.registry import Registry
@@ -224,19 +224,40 @@ class EngineActor(Actor):
 
     async def generate(self, req: GenerateRequest, headers: Mapping[str, str]) -> AsyncIterator[GenerateChunk]:
         stream_id = headers.get(S.REQUEST_ID)
-        chunks = self.service.generate(req, request_id=stream_id)  # validation errors raise here
+        span = self._span(req, headers) if tracing.enabled() else None
+        try:
+            chunks = self.service.generate(req, request_id=stream_id,  # validation errors raise here
+                                           trace=tracing.context_of(span))
+        except BaseException as e:
+            tracing.end(span, e)
+            raise
         if stream_id:
             self.cancels.engine_ids[stream_id] = self.service.engine_request_id(req, stream_id)
-            return self._forget(stream_id, chunks)
+        if stream_id or span is not None:
+            return self._forget(stream_id, chunks, span)
         return chunks
 
-    async def _forget(self, stream_id: str, chunks: AsyncIterator[GenerateChunk]) -> AsyncIterator[GenerateChunk]:
+    def _span(self, req: GenerateRequest, headers: Mapping[str, str]) -> Any:
+        """This worker's span of a request: under the frontend's attempt span when the request
+        carries its ``traceparent`` (a request without one, a ``nats req`` by hand, starts a trace)."""
+        return tracing.start("worker.generate", tracing.extract(headers), kind="server",
+                             attributes={"vllm_actors.worker_id": self.instance, "vllm_actors.pool": self.pool_name,
+                                         "vllm_actors.role": self.role, "vllm_actors.request_id": req.request_id})
+
+    async def _forget(self, stream_id: str | None, chunks: AsyncIterator[GenerateChunk],
+                      span: Any = None) -> AsyncIterator[GenerateChunk]:
+        error: BaseException | None = None
         try:
             async for c in chunks:
                 yield c
+        except BaseException as e:
+            error = e
+            raise
         finally:
-            self.cancels.engine_ids.pop(stream_id, None)
+            if stream_id:
+                self.cancels.engine_ids.pop(stream_id, None)
             await chunks.aclose()  # type: ignore[attr-defined]
+            tracing.end(span, error)
 
     async def encode(self, req: EncodeRequest, _h: Mapping[str, str]) -> EncodeReply:
         return await self.service.encode(req)

@@ -11,6 +11,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from actors.engines.config_error import EngineConfigError
 from actors.engines.protocol import NO_KV_EVENT_ROLES, Engine
 from actors.models.tiny import resolve_model_path
@@ -160,6 +162,19 @@ def check_engine_config(t: Topology, pool_name: str) -> None:
     # replica 0's env; the NIXL side-channel host (advertise) is no part of vLLM's config
     vllm_args.check_config(args, pool.role, t.model.name if t.model else "model", engine_env(pool, 0, None),
                            ec_consumer=has_encode_pool(t) and pool.role in ("agg", "prefill"))
+
+
+def with_engine_spans(t: Topology, pool: PoolConfig) -> PoolConfig:
+    """``pool`` with vLLM's own request spans on when the topology traces (``tracing.engine_spans``):
+    vLLM exports them to the same endpoint, as children of the worker's engine span. vLLM speaks
+    OTLP over gRPC unless told otherwise; the topology's endpoint is OTLP/HTTP. What the pool's
+    engine args or env set themselves wins."""
+    tr = t.tracing
+    if pool.engine != "vllm" or tr.endpoint is None or not tr.engine_spans:
+        return pool
+    args = {"otlp_traces_endpoint": tr.endpoint, **pool.engine_args}
+    env = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", **pool.env}
+    return msgspec.structs.replace(pool, engine_args=args, env=env)
 
 
 def has_encode_pool(t: Topology) -> bool:

@@ -36,11 +36,11 @@ from actors.worker import kv_publisher, lora_actor
 from actors.worker.checkpoint import RESTORE_DONE, prepare
 from actors.worker.contract import HealthReply, LivenessReply
 from actors.worker.engine_actor import EngineActor
-from actors.worker.engine_factory import advertised_host, factory_for, has_encode_pool
+from actors.worker.engine_factory import advertised_host, factory_for, has_encode_pool, with_engine_spans
 from actors.worker.health import HealthMonitor
 from actors.worker.metrics import engine_metrics
 from actors.worker.status_http import StatusServer, status_bind_host
-from bus import event_loop, rpc
+from bus import event_loop, rpc, tracing
 from bus.connection import until_closed
 from bus.context import BusContext, open_context
 from bus.process_exit import exit_process
@@ -120,7 +120,7 @@ def cpu_slot(t: Topology, pool_name: str, replica: int) -> int | None:
 def default_engine_factory(t: Topology, pool_name: str, replica: int) -> Callable[[], Engine]:
     # every replica is the same model (a mocker's seed is its "weights"): a migrated stream must
     # continue as if nothing happened
-    pool = t.pools[pool_name]
+    pool = with_engine_spans(t, t.pools[pool_name])
     advertise = advertised_host(t, pool.host) if pool.engine == "vllm" else None
     return factory_for(pool, t.model, seed=0, replica=replica, cpu_slot=cpu_slot(t, pool_name, replica),
                        advertise=advertise, ec_consumer=pool.engine == "vllm" and has_encode_pool(t))
@@ -242,6 +242,7 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
     node = worker_child_id(pool_name, replica)
     instance = given_instance(pool_name, replica)  # the root's choice when it scoped our credentials
     stop = stop or asyncio.Event()
+    tracing.configure(t.tracing, service="vllm-actors-worker", namespace=t.namespace, instance=instance)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -296,6 +297,7 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
             await status.stop()
         await service.stop()
         await ctx.close()
+        tracing.shutdown()  # what is buffered leaves before the process does
     if bus_lost:
         log.error("worker %s: its NATS connection was closed for good; exiting so it is restarted", node)
         return EXIT_FAILED

@@ -46,6 +46,7 @@ from actors.worker.validation import (
     kv_params_for,
     role_sampling,
 )
+from bus import tracing
 from bus.errors import ActorError, BadRequest, Conflict, NotFound, Overloaded, Unavailable
 from config.topology import ModelConfig, PoolConfig
 
@@ -235,13 +236,15 @@ class EngineService:
     def engine_request_id(self, req: GenerateRequest, request_id: str | None = None) -> str:
         return req.request_id or request_id or uuid.uuid4().hex
 
-    def generate(self, req: GenerateRequest, request_id: str | None = None) -> AsyncIterator[GenerateChunk]:
+    def generate(self, req: GenerateRequest, request_id: str | None = None,
+                 trace: Any = None) -> AsyncIterator[GenerateChunk]:
         """Validate and admit now (raising typed errors before any chunk), then stream chunks; the
         last has finish_reason and usage. The engine request is aborted if the consumer stops early
-        (cancel, caller gone, shutdown)."""
+        (cancel, caller gone, shutdown). ``trace``: the worker span's context, when the request is
+        traced (``bus.tracing``): the engine's run gets a span under it."""
         prompt, sampling, lora, n_prompt = self._admit(req)
         act = self._register(self.engine_request_id(req, request_id), probe=req.probe)
-        return self._stream(req, act, prompt, sampling, lora, n_prompt)
+        return self._stream(req, act, prompt, sampling, lora, n_prompt, trace)
 
     def _register(self, rid: str, probe: bool = False) -> _Active:
         """A request in flight under ``rid`` (cancel, abort_all and the hang check see it)."""
@@ -263,7 +266,7 @@ class EngineService:
         return act is not None
 
     async def _stream(self, req: GenerateRequest, act: _Active, prompt: Any, sampling: Any,
-                      lora: LoraRef | None, n_prompt: int | None) -> AsyncIterator[GenerateChunk]:
+                      lora: LoraRef | None, n_prompt: int | None, trace: Any = None) -> AsyncIterator[GenerateChunk]:
         rid = act.request_id
         kv = kv_params_for(self.role, req)
         engine = self.engine
@@ -272,9 +275,14 @@ class EngineService:
         prompt_tokens = n_prompt or 0
         cached = 0
         checked_ctx = n_prompt is not None
+        span = tracing.start("engine.generate", trace, attributes={"vllm_actors.engine_request_id": rid}) \
+            if trace is not None else None
+        error: BaseException | None = None
         try:
             with self.metrics.track(GENERATE):
-                async for out in engine.generate(prompt, sampling, rid, lora, kv):
+                async for out in engine.generate(prompt, sampling, rid, lora, kv, tracing.headers(span)):
+                    if span is not None and not completion and out.token_ids:
+                        span.add_event("first_token")
                     self.last_output = time.monotonic()
                     if out.num_prompt_tokens is not None:
                         prompt_tokens = out.num_prompt_tokens
@@ -303,14 +311,24 @@ class EngineService:
                         return
         except EngineDeadError as e:
             finished = True  # nothing left to abort
-            raise EngineDead(f"engine dead: {e}") from None
-        except ActorError:
+            error = EngineDead(f"engine dead: {e}")
+            raise error from None
+        except ActorError as e:
+            error = e
             raise
         except Exception as e:
+            error = e
             if not is_request_error(e):
                 raise
             raise refusal(e, self.max_model_len, sampling.max_tokens) from None
+        except BaseException as e:  # closed early: the caller left, or a cancel
+            error = e
+            raise
         finally:
+            if span is not None:
+                span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens,
+                                     "gen_ai.usage.output_tokens": completion, "vllm_actors.cached_tokens": cached})
+                tracing.end(span, error)
             self._active.pop(rid, None)
             self._touch(act)
             if not finished and not self.dead:

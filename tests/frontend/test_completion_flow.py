@@ -121,7 +121,7 @@ class FakeLink:
         self.workers: dict[str, FakeWorker] = {}
         self.probes: list[str] = []
 
-    def stream(self, worker: Worker, req: GenerateRequest) -> FakeStream:
+    def stream(self, worker: Worker, req: GenerateRequest, headers: dict[str, str] | None = None) -> FakeStream:
         return FakeStream(self.workers[worker.instance], req)
 
     async def connected(self) -> bool:

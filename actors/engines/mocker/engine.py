@@ -30,7 +30,7 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from actors.engines.limits import Limits, check_prompt_ids, check_sampling_limits
@@ -296,7 +296,8 @@ class MockerEngine(Engine):
 
     async def generate(self, prompt: Prompt, sampling: SamplingOptions, request_id: str,
                        lora: LoraRef | None = None,
-                       kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[EngineOutput]:
+                       kv_transfer_params: dict[str, Any] | None = None,
+                       trace_headers: Mapping[str, str] | None = None) -> AsyncIterator[EngineOutput]:
         """Async generator of delta outputs (validation errors surface on the first iteration)."""
         if self._dead.is_set():
             raise EngineDeadError("mocker engine is dead")
