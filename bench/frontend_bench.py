@@ -25,6 +25,10 @@ Where the programs outside this repository are (nothing is assumed about this ma
   ``actors.models.tiny`` builds it (``$VLLM_ACTORS_HOME/models/tiny-llama``).
 - ``wrk`` on ``$PATH``.
 
+``--tracing off,1,0.01`` measures our stack once per value: tracing off (the default topology),
+and on with that ``tracing.sample_ratio``, exporting to an OTLP/HTTP receiver in this process that
+decodes and counts the spans (tests/otlp_receiver.py; a collector's CPU is not the stack's).
+
 ``--per-process`` prints each stack's per-process table (CPU per request and per output token of the
 frontend, the workers, the engines, nats-server); ``--profile`` adds py-spy's top frames of each
 Python process (bench/proc_profile.py).
@@ -50,11 +54,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests.otlp_receiver
 from proc_cpu import kill_leftovers, own_cpu, tree, tree_cpu  # noqa: E402
 from proc_profile import ProcessProfile  # noqa: E402
 
 from actors.models.tiny import tiny_model_dir  # noqa: E402
 from bus.embedded import free_port  # noqa: E402
+from tests.otlp_receiver import OtlpReceiver  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TOKENS = 4  # streamed output tokens per request (chat.lua's MAX_TOKENS)
@@ -76,6 +82,7 @@ class Result:
     mode: str
     workers: int
     processes: int  # our frontend's processes (frontend.processes); 1 for Dynamo
+    tracing: str  # "off", or the sample ratio our stack ran with (``--tracing``)
     requests: int
     errors: int
     seconds: float
@@ -88,6 +95,7 @@ class Result:
     loadavg_before: str
     per_process_cpu_s: dict[str, float] = field(default_factory=dict)
     profile_table: str = ""
+    spans: int = 0  # spans the OTLP receiver took during the measured window
 
     @property
     def frontend_ms_per_req(self) -> float:
@@ -183,7 +191,8 @@ class Ours(Stack):
     """Our stack from this checkout, or from ``tree`` (another checkout of the project, e.g. a
     ``git worktree`` of the commit before a change: ``--baseline DIR``), with this checkout's venv."""
 
-    def __init__(self, mode: str, workers: int, logdir: Path, tree: Path = ROOT, processes: int = 1) -> None:
+    def __init__(self, mode: str, workers: int, logdir: Path, tree: Path = ROOT, processes: int = 1,
+                 sets: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.processes = processes
         bus = free_port()
@@ -195,6 +204,7 @@ class Ours(Stack):
                "--set", f"pools.agg.replicas={workers}", "--log-level", "WARNING"]
         if processes > 1:
             cmd += ["--set", f"frontend.processes={processes}"]
+        cmd += [a for kv in sets for a in ("--set", kv)]
         self.cmd = cmd
         log = open(logdir / "ours.log", "w")
         env = dict(os.environ, PYTHONPATH=str(tree))  # its packages, not the venv's editable install
@@ -264,10 +274,13 @@ class Dynamo(Stack):
 
 
 def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conns: int,
-            peer: Peer, per_process: bool = False, spy: bool = False, processes: int = 1) -> Result:
+            peer: Peer, per_process: bool = False, spy: bool = False, processes: int = 1,
+            tracing: str = "off", sink: OtlpReceiver | None = None) -> Result:
     logdir = Path(tempfile.mkdtemp(prefix=f"fbench-{kind}-{mode}-"))
     if kind == "ours":
-        stack: Stack = Ours(mode, workers, logdir, processes=processes)
+        sets = () if tracing == "off" or sink is None else (f"tracing.endpoint={sink.endpoint}",
+                                                             f"tracing.sample_ratio={tracing}")
+        stack: Stack = Ours(mode, workers, logdir, processes=processes, sets=sets)
     elif kind == "base":
         assert peer.baseline is not None
         stack = Ours(mode, workers, logdir, tree=peer.baseline)
@@ -280,7 +293,8 @@ def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conn
         if isinstance(stack, Ours):
             stack.wait_all_frontends()
         fe_pids = stack.frontend_pids() if isinstance(stack, Ours) else [stack.frontend_pid]
-        kind_n = f"{kind} {processes}p" if kind == "ours" else kind
+        kind_n = f"{kind} {processes}p" + (f" tracing {tracing}" if tracing != "off" else "") \
+            if kind == "ours" else kind
         print(f"[{kind_n} {mode} x{workers}] up after {up:.1f}s on :{stack.port} (logs {logdir})",
               file=sys.stderr)
         out, _ = run_wrk(stack.port, warmup, conns, peer.chat_lua)
@@ -291,17 +305,20 @@ def measure(kind: str, mode: str, workers: int, duration: int, warmup: int, conn
         fe0, st0, busy0 = sum(own_cpu(p) for p in fe_pids), tree_cpu(*stack.roots()), machine_busy()
         with open("/proc/loadavg") as f:
             load = " ".join(f.read().split()[:3])
+        spans0 = sink.count if sink is not None else 0
         with ProcessProfile(stack.roots(), spy=spy, out_dir=logdir / "spy") as prof:
             out, wrk_cpu = run_wrk(stack.port, duration, conns, peer.chat_lua)
+        spans = sink.count - spans0 if sink is not None else 0
         fe1, st1, busy1 = sum(own_cpu(p) for p in fe_pids), tree_cpu(*stack.roots()), machine_busy()
         per = prof.by_role()
         n, errs, secs, rps, lat = parse_wrk(out)
-        r = Result(kind, mode, workers, processes if kind == "ours" else 1, n, errs, secs, rps, lat, fe1 - fe0, st1 - st0, wrk_cpu,
-                   busy1 - busy0, load, per,
-                   prof.table(n, n * TOKENS, f"{kind} {mode}, {workers} worker(s)") if per_process else "")
+        r = Result(kind, mode, workers, processes if kind == "ours" else 1, tracing if kind == "ours" else "off",
+                   n, errs, secs, rps, lat, fe1 - fe0, st1 - st0, wrk_cpu, busy1 - busy0, load, per,
+                   prof.table(n, n * TOKENS, f"{kind} {mode}, {workers} worker(s)") if per_process else "",
+                   spans)
         print(f"[{kind_n} {mode} x{workers}] {rps:.0f} req/s, {n} req, {errs} errors, lat {lat}, "
               f"frontend {r.frontend_ms_per_req:.2f} ms/req, stack {r.stack_ms_per_req:.2f} ms/req, "
-              f"per-process {per}, wrk {wrk_cpu:.1f}s, machine busy {r.machine_busy_s:.1f}s "
+              f"per-process {per}, spans {spans}, wrk {wrk_cpu:.1f}s, machine busy {r.machine_busy_s:.1f}s "
               f"of {2 * secs:.0f}s, load {load}", file=sys.stderr)
         return r
     finally:
@@ -322,6 +339,8 @@ def main() -> None:
     ap.add_argument("--kv-workers", type=int, default=4)
     ap.add_argument("--rr-workers", type=int, default=1)
     ap.add_argument("--only", choices=["ours", "dynamo"], default=None)
+    ap.add_argument("--tracing", default="off",
+                    help="our stack once per value: off, or a tracing.sample_ratio (e.g. off,1,0.01)")
     ap.add_argument("--frontend-processes", default="1",
                     help="our frontend's processes to measure, comma-separated (e.g. 1,2,4): each is a stack")
     ap.add_argument("--modes", default="round_robin,kv")
@@ -346,6 +365,8 @@ def main() -> None:
         ap.error("where is Dynamo's venv? give --dynamo-venv or set DYNVV (or run --only ours)")
     peer = Peer(a.peer_dir / "chat.lua", a.dynamo_venv, a.model_dir, a.baseline)
     results: list[Result] = []
+    tracings = a.tracing.split(",")
+    sink = OtlpReceiver(keep=False).__enter__() if tracings != ["off"] else None
     for _ in range(a.rounds):
         for mode in a.modes.split(","):
             workers = a.kv_workers if mode == "kv" else a.rr_workers
@@ -354,19 +375,21 @@ def main() -> None:
                         or kind == "base" and a.baseline is None):
                     continue
                 for n in ([int(x) for x in a.frontend_processes.split(",")] if kind == "ours" else [1]):
-                    results.append(measure(kind, mode, workers, a.duration, a.warmup, a.connections, peer,
-                                           per_process=a.per_process or a.profile, spy=a.profile, processes=n))
-    print("\n| stack | mode | workers | frontend processes | req/s | errors | frontend CPU ms/req |"
+                    for tr in (tracings if kind == "ours" else ["off"]):
+                        results.append(measure(kind, mode, workers, a.duration, a.warmup, a.connections, peer,
+                                               per_process=a.per_process or a.profile, spy=a.profile, processes=n,
+                                               tracing=tr, sink=sink))
+    print("\n| stack | mode | workers | frontend processes | tracing | spans | req/s | errors | frontend CPU ms/req |"
           " stack CPU ms/req | per-process CPU s | machine busy s | load before |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r.stack} | {r.mode} | {r.workers} | {r.processes} | {r.rps:.0f} | {r.errors} | "
+        print(f"| {r.stack} | {r.mode} | {r.workers} | {r.processes} | {r.tracing} | {r.spans} | {r.rps:.0f} | {r.errors} | "
               f"{r.frontend_ms_per_req:.2f} | {r.stack_ms_per_req:.2f} | {r.per_process_cpu_s} | "
               f"{r.machine_busy_s:.1f} / {2 * r.seconds:.0f} | {r.loadavg_before} |")
     for mode in a.modes.split(","):
         med = lambda xs: statistics.median(xs)  # noqa: E731
         for side, ref in (("ours", "dynamo"), ("ours", "base"), ("base", "dynamo")):
-            o = [r for r in results if r.stack == side and r.mode == mode and r.processes == 1]
+            o = [r for r in results if r.stack == side and r.mode == mode and r.processes == 1 and r.tracing == "off"]
             d = [r for r in results if r.stack == ref and r.mode == mode]
             if o and d:
                 print(f"{mode} (medians of {len(o)} / {len(d)}): {side}/{ref} req/s "
@@ -374,9 +397,18 @@ def main() -> None:
                       f"frontend CPU/req {med([r.frontend_ms_per_req for r in o]) / med([r.frontend_ms_per_req for r in d]):.2f}, "
                       f"stack CPU/req {med([r.stack_ms_per_req for r in o]) / med([r.stack_ms_per_req for r in d]):.2f}")
         ours_n = sorted({r.processes for r in results if r.stack == "ours" and r.mode == mode})
-        one = [r for r in results if r.stack == "ours" and r.mode == mode and r.processes == 1]
+        one = [r for r in results if r.stack == "ours" and r.mode == mode and r.processes == 1 and r.tracing == "off"]
+        for tr in tracings:
+            on = [r for r in results if r.stack == "ours" and r.mode == mode and r.processes == 1 and r.tracing == tr]
+            if tr != "off" and one and on:
+                print(f"{mode}, ours with tracing at {tr} vs off (medians of {len(on)} / {len(one)}): "
+                      f"req/s {med([r.rps for r in on]) / med([r.rps for r in one]):.2f}, "
+                      f"frontend CPU/req {med([r.frontend_ms_per_req for r in on]) / med([r.frontend_ms_per_req for r in one]):.2f}, "
+                      f"stack CPU/req {med([r.stack_ms_per_req for r in on]) / med([r.stack_ms_per_req for r in one]):.2f}, "
+                      f"spans/req {med([r.spans / max(r.requests, 1) for r in on]):.2f}")
         for n in ours_n:
-            many = [r for r in results if r.stack == "ours" and r.mode == mode and r.processes == n]
+            many = [r for r in results if r.stack == "ours" and r.mode == mode and r.processes == n
+                    and r.tracing == "off"]
             dyn = [r for r in results if r.stack == "dynamo" and r.mode == mode]
             parts = []
             if one and n != 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from tests.agg_reference import PROMPT as AGG_PROMPT
 from tests.agg_reference import TOKENS as AGG_TOKENS
 from tests.agg_reference import AggReference
 from tests.e2e.conftest import PREFILL_HEADER, WORKER_HEADER, Deployment, boot, free_port, http_text, shutdown
+from tests.otlp_receiver import OtlpReceiver
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
@@ -53,9 +55,17 @@ def client(d: Deployment) -> OpenAI:
 
 
 @pytest.fixture(scope="class")
-def vllm_agg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def otlp() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as rx:
+        yield rx
+
+
+@pytest.fixture(scope="class")
+def vllm_agg(tmp_path_factory: pytest.TempPathFactory, otlp: OtlpReceiver) -> Iterator[Deployment]:
+    # traced (every request): the vLLM engine's own spans must join the trace; nothing else here
+    # depends on tracing
     d = boot(tmp_path_factory, "vagg", "agg.toml", ready={"agg": 1}, status_pools={"agg": 1},
-             timeout=BOOT_TIMEOUT)
+             timeout=BOOT_TIMEOUT, sets=[f"tracing.endpoint={otlp.endpoint}"])
     yield d
     shutdown(d)
 
@@ -102,6 +112,24 @@ class TestVllmAgg:
         assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == chat.usage.prompt_tokens
         with a.messages.stream(model="tiny", max_tokens=16, messages=PROMPT, **greedy) as ms:
             assert "".join(ms.text_stream) == text
+
+    def test_vllms_own_request_span_joins_the_trace(self, vllm_agg: Deployment, otlp: OtlpReceiver) -> None:
+        """tracing.engine_spans (on by default): the vLLM engine exports its llm_request span to the
+        same endpoint, as a child of the worker's engine span, in the client's trace."""
+        trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+        c = OpenAI(base_url=f"{vllm_agg.url}/v1", api_key="none", max_retries=0, timeout=120,
+                   default_headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
+        c.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=4)
+        spans = otlp.wait_for(lambda _s: (lambda t: t if any(s.name == "llm_request" for s in t) else None)(
+            otlp.trace(trace_id)), 30, "vLLM's llm_request span in the chat's trace")
+        by_id = {s.span_id: s for s in spans}
+        (vllm_span,) = [s for s in spans if s.name == "llm_request"]
+        engine = by_id[vllm_span.parent_id]
+        assert engine.name == "engine.generate" and engine.service == "vllm-actors-worker"
+        assert by_id[engine.parent_id].name == "worker.generate"
+        attempt = by_id[by_id[engine.parent_id].parent_id]
+        assert attempt.name == "generate" and by_id[attempt.parent_id].parent_id == span_id
+        assert vllm_span.attributes.get("gen_ai.usage.completion_tokens") == 4, vllm_span.attributes
 
     def test_worker_metrics_include_vllms_own(self, vllm_agg: Deployment) -> None:
         """The worker's status port exports our worker series and vLLM's own, side by side."""
