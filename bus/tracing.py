@@ -14,8 +14,10 @@ detaching it in another fails.
 
 The context crosses a process in the W3C ``traceparent`` (and ``tracestate``) header, on HTTP from
 a client and on NATS from the frontend to a worker, so a worker's spans join the frontend's trace.
-Sampling is parent-based: a trace the frontend did not sample carries ``traceparent`` with the
-sampled flag off, and the worker records nothing for it either.
+Sampling is decided once, at the frontend (``sample_ratio``, or the client's sampled flag): a
+request not sampled makes no span past that decision and carries no ``traceparent`` to a worker,
+and a worker traces only requests that carry one, so an unsampled request costs one sampling
+decision.
 """
 
 from __future__ import annotations

@@ -33,13 +33,17 @@ if TYPE_CHECKING:
 
 
 def http(request: web.Request, endpoint: str) -> Span | None:
-    """The HTTP request's span: under the client's ``traceparent`` when it sent one, else the root
-    of a new trace (sampled at ``tracing.sample_ratio``)."""
+    """The HTTP request's span: under the client's ``traceparent`` when it sent one (then sampled
+    as the client's flag says), else the root of a new trace (sampled at ``tracing.sample_ratio``).
+    None when tracing is off or the trace is not sampled."""
     if not tracing.enabled():
         return None
-    return tracing.start(f"{request.method} {request.path}", tracing.extract(request.headers), kind="server",
+    span = tracing.start(f"{request.method} {request.path}", tracing.extract(request.headers), kind="server",
                          attributes={"http.request.method": request.method, "url.path": request.path,
                                      "vllm_actors.endpoint": endpoint})
+    # not sampled: nothing under it is recorded either, so nothing is made at all (no plan, attempt
+    # or route spans, no traceparent to the worker, which traces only what carries one)
+    return span if span is not None and span.is_recording() else None
 
 
 def http_done(span: Span | None, status: int, model: str | None) -> None:

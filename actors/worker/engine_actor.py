@@ -224,7 +224,9 @@ class EngineActor(Actor):
 
     async def generate(self, req: GenerateRequest, headers: Mapping[str, str]) -> AsyncIterator[GenerateChunk]:
         stream_id = headers.get(S.REQUEST_ID)
-        span = self._span(req, headers) if tracing.enabled() else None
+        # a worker traces only as part of a frontend's sampled trace: what carries no traceparent
+        # (an unsampled request, a `nats req` by hand) makes no span here
+        span = self._span(req, headers) if tracing.enabled() and S.TRACEPARENT in headers else None
         try:
             chunks = self.service.generate(req, request_id=stream_id,  # validation errors raise here
                                            trace=tracing.context_of(span))
@@ -238,8 +240,8 @@ class EngineActor(Actor):
         return chunks
 
     def _span(self, req: GenerateRequest, headers: Mapping[str, str]) -> Any:
-        """This worker's span of a request: under the frontend's attempt span when the request
-        carries its ``traceparent`` (a request without one, a ``nats req`` by hand, starts a trace)."""
+        """This worker's span of a request, under the frontend's attempt span its ``traceparent``
+        names (a sampled one: the frontend sends none for a trace it does not record)."""
         return tracing.start("worker.generate", tracing.extract(headers), kind="server",
                              attributes={"vllm_actors.worker_id": self.instance, "vllm_actors.pool": self.pool_name,
                                          "vllm_actors.role": self.role, "vllm_actors.request_id": req.request_id})
