@@ -35,6 +35,7 @@ from actors.worker.contract import EmbedReply, EmbedRequest, EngineDead
 from bus.errors import ActorError, BadRequest, NotFound, Overloaded, RequestTimeout, Unavailable
 from config.topology import MIGRATION_WAIT, FrontendConfig, ModelConfig
 
+from . import request_trace
 from .cold import ColdGate, held_model
 from .completion_flow import MIGRATABLE, BusUnavailable, MigrationExhausted
 from .discovery import ModelEntry, Worker, WorkerSet
@@ -110,6 +111,7 @@ class EmbeddingService:
         body = await read_body(request, self.config.body_timeout, self.config.max_body_bytes, m)
         model = "unknown"
         status = 500
+        span = request_trace.http(request, ENDPOINT)  # the HTTP request alone (the fan-out is not traced)
         try:
             req = parse_embedding(body)
             try:
@@ -156,6 +158,7 @@ class EmbeddingService:
             raise
         finally:
             m.request_done(ENDPOINT, model, status)
+            request_trace.http_done(span, status, None if model == "unknown" else model)
 
     # --- fan-out ------------------------------------------------------------------------------------
     async def embed_all(self, plan: EmbedPlan, *, target: str | None = None,
