@@ -40,6 +40,7 @@ import msgspec
 from actors.engines.protocol import MultiModalInput, SamplingOptions
 from actors.kv.hashing import mm_spans
 from actors.worker.contract import ChatPrompt, EngineDead, GenerateChunk, GenerateRequest, PrefillResult
+from bus import tracing
 from bus.errors import (
     ActorError,
     Overloaded,
@@ -220,7 +221,7 @@ class CompletionFlow:
                               prompt=spec.prompt, prompt_embeds=spec.prompt_embeds, chat=spec.chat,
                               mm=spec.mm, sampling=sampling, lora_name=spec.lora)
         last: GenerateChunk | None = None
-        call = self.link.stream(worker, req, headers=request_trace.tracing.headers(att))
+        call = self.link.stream(worker, req, headers=tracing.headers(att))
         try:
             async for chunk in call:
                 last = chunk
@@ -271,7 +272,7 @@ class CompletionFlow:
             done: BaseException | None = None  # what ended this attempt, when it failed
             try:
                 try:
-                    call = self.link.stream(worker, req, headers=request_trace.tracing.headers(att))
+                    call = self.link.stream(worker, req, headers=tracing.headers(att))
                     first = True
                     answered = False  # the worker took the request (a chunk, a heartbeat or an error came back)
                     try:

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from bus import tracing
 from bus.errors import ActorError, Overloaded
 from config.topology import MIGRATION_WAIT, FrontendConfig, ModelConfig
 
@@ -121,7 +122,7 @@ class CompletionPipeline:
             plan_span = None
             choices = self._choices(plan, target=request.headers.get(WORKER_HEADER),
                                     session=request.headers.get(SESSION_HEADER),
-                                    trace=request_trace.tracing.context_of(span))
+                                    trace=tracing.context_of(span))
             for c in choices:  # each choice is one engine request the planner sees
                 c.obs = m.observations.start(t_obs)
             for ids, _ in plan.prompts:
