@@ -37,7 +37,7 @@ class ModelSeries:
 class FrontendMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, prefix: str = "frontend", observations: Observations | None = None,
+    def __init__(self, prefix: str = "vllm_actors_frontend", observations: Observations | None = None,
                  extra: Sequence[CollectorRegistry] = ()) -> None:
         """``extra``: registries of other actors of this process that /metrics serves too (the
         planner's, when it runs beside the frontend)."""
@@ -64,10 +64,9 @@ class FrontendMetrics:
                                        buckets=_TOK, registry=r)
         self.cached_tokens = Counter(f"{p}_cached_tokens", "Prompt tokens served from prefix cache",
                                      ["model"], registry=r)
-        self.migrations = Counter(f"{p}_migrations", "Streams re-sent to another worker", ["model"],
+        self.migrations = Counter(f"{p}_model_migration", "Streams re-sent to another worker", ["model"],
                                   registry=r)
-        # named as the operator guide spells it (no frontend_ prefix): one series per deployment
-        self.quarantined = Counter("requests_quarantined", "Requests failed and refused after the workers "
+        self.quarantined = Counter("vllm_actors_frontend_quarantined_requests", "Requests failed and refused after the workers "
                                    "serving them died twice", ["model"], registry=r)
         self.cancellations = Counter(f"{p}_cancellations", "Worker requests cancelled", ["model"],
                                      registry=r)

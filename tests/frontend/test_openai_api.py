@@ -189,8 +189,8 @@ async def test_models_health_live_metrics(agg: Any, http) -> None:
     await client(agg).completions.create(model=MODEL, prompt="x", max_tokens=2)
     async with http.get(agg.url + "/metrics") as r:
         text = await r.text()
-    assert 'frontend_requests_total{endpoint="completions",model="tiny",status="200"}' in text
-    assert "frontend_time_to_first_token_seconds_bucket" in text
+    assert 'vllm_actors_frontend_requests_total{endpoint="completions",model="tiny",status="200"}' in text
+    assert "vllm_actors_frontend_time_to_first_token_seconds_bucket" in text
 
 
 async def test_health_503_without_workers(deploy: Any, http) -> None:
