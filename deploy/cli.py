@@ -36,6 +36,7 @@ from config.topology import Topology
 from config.workers import kv_replicas
 from deploy.engine_check import check_engines, check_vllm_engines
 from deploy.pools import PoolSpawner
+from deploy.root_metrics import RootMetricsServer
 from deploy.systemd import emit_units
 from deploy.tree import (
     INPROC,
@@ -198,10 +199,21 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
         loop.add_signal_handler(sig, on_signal, sig)
     log.info("namespace %s: starting %s (hosts %s; bus %s)", t.namespace, name, ", ".join(hosts), _bus_words(t))
     rejected: list[TopologyError] = []
+    metrics_server = None
+    if t.metrics.root_port is not None:
+        metrics_server = RootMetricsServer(t.metrics.root_host, t.metrics.root_port,
+                                           [plan.planner_metrics.registry] if plan.planner_metrics else [])
+        try:
+            await metrics_server.start()
+        except OSError as e:  # a taken port: the operator asked for this listener, so say it and stop
+            log.error("root metrics on %s:%d: %s", t.metrics.root_host, t.metrics.root_port, e)
+            return EXIT_FAILED
     checking = asyncio.create_task(_check_vllm_beside_the_start(t, hosts, topology_path, overrides, stop, rejected))
     try:
         code = await serve_root(root, stop, Notifier(), shutdown_timeout=s.shutdown_timeout)
     finally:
+        if metrics_server is not None:
+            await metrics_server.stop()
         checking.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await checking

@@ -9,6 +9,9 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+import bus.metrics
+import supervisors.metrics
+
 from .observations import Observations
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -113,5 +116,7 @@ class FrontendMetrics:
         child.inc()
 
     def render(self) -> bytes:
-        # plus the default registry: the process and Python collectors prometheus_client puts there
-        return b"".join(generate_latest(r) for r in (self.registry, *self.extra, REGISTRY))
+        # plus the process's supervisors and bus connection, and the default registry: the process
+        # and Python collectors prometheus_client puts there
+        return b"".join(generate_latest(r) for r in (self.registry, *self.extra, supervisors.metrics.REGISTRY,
+                                                     bus.metrics.REGISTRY, REGISTRY))

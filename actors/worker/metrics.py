@@ -24,6 +24,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+import bus.metrics
+import supervisors.metrics
 from actors.engines.protocol import EngineStats, StepSample
 from actors.worker.contract import LoadReport
 
@@ -112,8 +114,15 @@ class WorkerMetrics:
             self.num_waiting.labels(**kv).set(s.num_waiting)
 
     def render(self) -> tuple[bytes, str]:
-        """Body and content type for /metrics: ours plus vLLM's own series."""
-        return generate_latest(self.registry) + engine_metrics(), CONTENT_TYPE_LATEST
+        """Body and content type for /metrics: ours, the process's supervisors and bus connection,
+        plus vLLM's own series."""
+        return generate_latest(self.registry) + process_metrics() + engine_metrics(), CONTENT_TYPE_LATEST
+
+
+def process_metrics() -> bytes:
+    """The worker process's supervisor (restarts, children) and bus connection: shown whether or
+    not an engine actor runs (one restarting is when they matter)."""
+    return generate_latest(supervisors.metrics.REGISTRY) + generate_latest(bus.metrics.REGISTRY)
 
 
 def engine_metrics() -> bytes:
