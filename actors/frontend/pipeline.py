@@ -133,7 +133,7 @@ class CompletionPipeline:
                 series.output_tokens.observe(c.flow.state.completion_tokens)
                 if c.flow.state.cached_tokens:
                     series.cached_tokens.inc(c.flow.state.cached_tokens)
-            series.duration.observe(time.perf_counter() - t0)
+            series.pool(choices[0].flow.state.worker_pool).duration.observe(time.perf_counter() - t0)
             return resp
         except ActorError as e:
             status = e.code
@@ -217,7 +217,8 @@ class CompletionPipeline:
         """The response's chat SSE frames from its first arrival on, in batches of the frames ready
         at one moment (the role frame with the first token, the last token with the closing frames),
         each with whether it is the last. A failure after the first arrival is raised from here."""
-        itl = self.metrics.model(out.plan.entry.name).itl
+        # the pool is known from the first arrival on; resolved once here, never per token
+        itl = self.metrics.model(out.plan.entry.name).pool(_pool_of(first)).itl
         pending: list[bytes] = list(out.sse_start())
         item: Arrival | None = first
         last = t_first
@@ -250,7 +251,7 @@ class CompletionPipeline:
         async with merged(out.choices) as arrivals:
             first = await anext(arrivals, None)  # errors before any output get a real HTTP status
             t_first = time.perf_counter()
-            self.metrics.model(out.plan.entry.name).ttft.observe(t_first - t0)
+            self.metrics.model(out.plan.entry.name).pool(_pool_of(first)).ttft.observe(t_first - t0)
             if early is not None and early.started:
                 resp = early.response  # held for a cold model: its headers went with the keep-alives
             else:
@@ -314,10 +315,16 @@ class CompletionPipeline:
             async for c, chunk in arrivals:
                 if first:
                     first = False
-                    self.metrics.model(out.plan.entry.name).ttft.observe(time.perf_counter() - t0)
+                    self.metrics.model(out.plan.entry.name).pool(c.flow.state.worker_pool).ttft.observe(
+                        time.perf_counter() - t0)
                 out.feed(c, chunk)
         body = out.body() if shape is None else await shape.body(out.plan, out.body())
         return web.Response(body=encode_json(body), content_type="application/json", headers=out.headers())
+
+
+def _pool_of(arrival: Arrival | None) -> str | None:
+    """The pool of the worker that produced an arrival (a latency label)."""
+    return arrival[0].flow.state.worker_pool if arrival is not None else None
 
 
 class _EarlyStream:
