@@ -418,8 +418,8 @@ class Topology(_Strict):
     pools: dict[str, PoolConfig] = {}
     planner: PlannerConfig = msgspec.field(default_factory=PlannerConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
-    systemd: SystemdConfig = msgspec.field(default_factory=SystemdConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    systemd: SystemdConfig = msgspec.field(default_factory=SystemdConfig)
     run_dir: str | None = None  # logs, store dir, sockets (default ~/.cache/vllm-actors/run/<ns>)
     echo: bool = False  # start the echo example actor
     # one echo actor per listed host (instance = host name)

@@ -121,7 +121,6 @@ class FlowSpec:
 @dataclass
 class FlowState:
     worker_instance: str | None = None
-    worker_pool: str | None = None  # the pool of the worker asked last (agg, or decode): a metrics label
     prefill_instance: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -252,7 +251,6 @@ class CompletionFlow:
             router = self.router
             worker = router.choose(pool, req.token_ids, st.failed, target=target, lora=spec.lora, mm=self._mm_spans,
                                    request_id=req.request_id, session=spec.session)
-            st.worker_pool = worker.pool
             if suspect:
                 self.probation.hold(worker, spec.request_id)
             try:

@@ -133,7 +133,8 @@ class CompletionPipeline:
                 series.output_tokens.observe(c.flow.state.completion_tokens)
                 if c.flow.state.cached_tokens:
                     series.cached_tokens.inc(c.flow.state.cached_tokens)
-            series.pool(choices[0].flow.state.worker_pool).duration.observe(time.perf_counter() - t0)
+            pool = self.workers.pool_of(choices[0].flow.state.worker_instance)
+            series.pool(pool).duration.observe(time.perf_counter() - t0)
             return resp
         except ActorError as e:
             status = e.code
@@ -212,13 +213,17 @@ class CompletionPipeline:
             on_quarantine=series.quarantined.inc,
             migration_wait=mc.migration_wait if mc is not None else MIGRATION_WAIT)
 
+    def _pool_of(self, arrival: Arrival | None) -> str | None:
+        """The pool of the worker that produced an arrival (agg, or decode): a latency label."""
+        return self.workers.pool_of(arrival[0].flow.state.worker_instance) if arrival is not None else None
+
     async def _frames(self, out: ResponseBuilder, first: Arrival | None, arrivals: AsyncIterator[Arrival],
                       t_first: float) -> AsyncIterator[tuple[list[bytes], bool]]:
         """The response's chat SSE frames from its first arrival on, in batches of the frames ready
         at one moment (the role frame with the first token, the last token with the closing frames),
         each with whether it is the last. A failure after the first arrival is raised from here."""
         # the pool is known from the first arrival on; resolved once here, never per token
-        itl = self.metrics.model(out.plan.entry.name).pool(_pool_of(first)).itl
+        itl = self.metrics.model(out.plan.entry.name).pool(self._pool_of(first)).itl
         pending: list[bytes] = list(out.sse_start())
         item: Arrival | None = first
         last = t_first
@@ -251,7 +256,7 @@ class CompletionPipeline:
         async with merged(out.choices) as arrivals:
             first = await anext(arrivals, None)  # errors before any output get a real HTTP status
             t_first = time.perf_counter()
-            self.metrics.model(out.plan.entry.name).pool(_pool_of(first)).ttft.observe(t_first - t0)
+            self.metrics.model(out.plan.entry.name).pool(self._pool_of(first)).ttft.observe(t_first - t0)
             if early is not None and early.started:
                 resp = early.response  # held for a cold model: its headers went with the keep-alives
             else:
@@ -315,16 +320,11 @@ class CompletionPipeline:
             async for c, chunk in arrivals:
                 if first:
                     first = False
-                    self.metrics.model(out.plan.entry.name).pool(c.flow.state.worker_pool).ttft.observe(
-                        time.perf_counter() - t0)
+                    pool = self.workers.pool_of(c.flow.state.worker_instance)
+                    self.metrics.model(out.plan.entry.name).pool(pool).ttft.observe(time.perf_counter() - t0)
                 out.feed(c, chunk)
         body = out.body() if shape is None else await shape.body(out.plan, out.body())
         return web.Response(body=encode_json(body), content_type="application/json", headers=out.headers())
-
-
-def _pool_of(arrival: Arrival | None) -> str | None:
-    """The pool of the worker that produced an arrival (a latency label)."""
-    return arrival[0].flow.state.worker_pool if arrival is not None else None
 
 
 class _EarlyStream:

@@ -154,6 +154,9 @@ async def test_every_dashboard_query_returns_data(tmp_path_factory: pytest.TempP
 
         assert api(base, "query", query='vllm_actors_supervisor_restarts_total{reason="signal SIGKILL", '
                                         f'child="{victim["id"]}"}} >= 1')["result"]
+        # disaggregated: the tokens come from the decode pool, which is what latency is labelled with
+        ttft = api(base, "query", query="vllm_actors_frontend_time_to_first_token_seconds_count")["result"]
+        assert {r["metric"]["pool"] for r in ttft} == {"decode"}, ttft
         # the workers' own label is worker_id: no scrape renamed it to exported_instance
         assert api(base, "query", query="count(vllm_actors_worker_requests_total)")["result"]
         assert not api(base, "query", query='{__name__=~"vllm_actors_.+", exported_instance!=""}')["result"]
