@@ -230,7 +230,7 @@ class Ours(Stack):
         while self.processes > 1 and time.monotonic() < end:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as r:
-                    if re.search(rb"^frontend_scrape_missing 0\.0$", r.read(), re.M):
+                    if re.search(rb"^vllm_actors_frontend_scrape_missing 0\.0$", r.read(), re.M):
                         return
             except OSError:
                 pass

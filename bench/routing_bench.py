@@ -736,7 +736,7 @@ def render(a: argparse.Namespace, cmd: str, topo: Topo, workloads: dict[str, Wor
         "caches and empty queues all together and set most of the plain p99; "
         "*hit rate* = Σ cached_tokens / Σ prompt_tokens from the responses' usage; *sim. of its "
         "choices* = the workload replayed through bench/prefix_sim.py with the worker each request really "
-        "went to; *router's predicted hit* = ours: `router_prefix_hit_rate` from /metrics, Dynamo: its "
+        "went to; *router's predicted hit* = ours: `vllm_actors_router_prefix_hit_rate` from /metrics, Dynamo: its "
         "`nvext.timing.kv_hit_rate` weighted by prompt tokens; *requests per worker*: ours from the "
         "`x-worker-instance-id` header, Dynamo from `nvext.worker_id` (asked for with "
         "`nvext.extra_fields`); *max / fair* = the largest worker's requests over requests / workers; "

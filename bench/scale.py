@@ -21,7 +21,7 @@ Per N:
   ``[DONE]``, fewer tokens than asked, or a client exception. TTFT: from the send to the first
   chunk after the role chunk;
 - over that request phase: req/s (requests / phase wall time), the frontend's router histograms
-  (``router_hashing_seconds``, ``router_matching_seconds``, ``router_scheduling_seconds``: their
+  (``vllm_actors_router_hashing_seconds``, ``vllm_actors_router_matching_seconds``, ``vllm_actors_router_scheduling_seconds``: their
   delta over the phase; the decision's mean is exact from ``_sum``/``_count``, its p50/p99 the sum
   of the three stages' bucket-interpolated quantiles), the bus server's ``in_msgs``, ``out_msgs``,
   ``in_bytes``, ``out_bytes`` deltas per request, and CPU seconds of the root process (it hosts the
@@ -74,7 +74,7 @@ SECTION = "Scale"
 READING = "<!-- hand-written from here on: bench/scale.py --write keeps it -->"
 HOST = "local"  # the root supervisor's host token in a single-host topology
 MODEL = "tiny"
-STAGES = ("router_hashing_seconds", "router_matching_seconds", "router_scheduling_seconds")
+STAGES = ("vllm_actors_router_hashing_seconds", "vllm_actors_router_matching_seconds", "vllm_actors_router_scheduling_seconds")
 VARZ = ("in_msgs", "out_msgs", "in_bytes", "out_bytes")
 IDLE_S = 5.0
 BUDGET_GIB = 24  # the issue's memory budget for one box

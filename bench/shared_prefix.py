@@ -166,7 +166,7 @@ async def drive(url: str, w: Workload, a: argparse.Namespace) -> Run:
 
 async def scrape_router_hit_rate(url: str) -> float | None:
     async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
-        m = re.search(r"^router_prefix_hit_rate (\S+)$", await r.text(), re.M)
+        m = re.search(r"^vllm_actors_router_prefix_hit_rate (\S+)$", await r.text(), re.M)
     return float(m.group(1)) if m else None
 
 
@@ -276,7 +276,7 @@ def render(a: argparse.Namespace, res: dict[str, dict], oracle: float, cmd: str)
              if r.get("router_predicted_hit_rate") is not None]
     if preds:
         lines += ["", "The kv router's own prediction (overlap blocks of the chosen worker in its index, "
-                      f"`router_prefix_hit_rate`, full prompt blocks): {', '.join(preds)}."]
+                      f"`vllm_actors_router_prefix_hit_rate`, full prompt blocks): {', '.join(preds)}."]
     return "\n".join(lines) + "\n"
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 
+from bus import metrics
 from bus.backoff import Backoff
 from config.secrets import password, token
 from config.topology import BusConfig, BusTLS
@@ -136,6 +137,7 @@ async def connect(cfg: BusConfig | str, name: str, *, initial_attempts: int = 3,
         raise ConnectionError(f"nats {name}: no connection to {', '.join(servers)} within {bound:g}s"
                               f"{last}") from None
     nc.options["max_reconnect_attempts"] = -1  # read on every reconnect: from now on, forever
+    metrics.track(nc)  # bus health on this process's /metrics
     log.info("nats %s: connected to %s", name, nc.connected_url.netloc if nc.connected_url else servers)
     return nc
 

@@ -50,6 +50,8 @@ def check_topology(t: Topology, fail: Fail) -> None:
 
     # bus: either a URL to an existing server or the embedded one on bus.port
     port("bus.port", t.bus.port)
+    if t.metrics.root_port:
+        port("metrics.root_port", t.metrics.root_port)
     if t.bus.url is not None:
         for url in t.bus.url.split(","):
             if not url.strip().startswith(_BUS_SCHEMES):

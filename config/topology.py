@@ -417,6 +417,14 @@ class SystemdConfig(_Strict):
     python: str | None = None  # interpreter for ExecStart (default: the one running --emit-systemd)
 
 
+class MetricsConfig(_Strict):
+    """The root's own /metrics (its supervisor's restarts, its bus health, the planner's series
+    when the planner runs there): off unless ``root_port`` is set; every host's root listens on it."""
+
+    root_port: int | None = None  # 0: a port the kernel picks (logged)
+    root_host: str = "127.0.0.1"  # bind address; a Prometheus on another machine needs a routable one
+
+
 class Topology(_Strict):
     namespace: str = "dynamo"
     model: ModelConfig | None = None  # none: a bus-only deployment (e.g. the echo example)
@@ -425,6 +433,7 @@ class Topology(_Strict):
     pools: dict[str, PoolConfig] = {}
     planner: PlannerConfig = msgspec.field(default_factory=PlannerConfig)
     supervisor: SupervisorConfig = msgspec.field(default_factory=SupervisorConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     systemd: SystemdConfig = msgspec.field(default_factory=SystemdConfig)
     tracing: TracingConfig = msgspec.field(default_factory=TracingConfig)
     run_dir: str | None = None  # logs, store dir, sockets (default ~/.cache/vllm-actors/run/<ns>)

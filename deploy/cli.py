@@ -10,6 +10,8 @@ At its start (and with --check) it builds the engine configuration of each pool 
 (vLLM: no weights read): an engine arg the engine rejects is exit 2. The mocker's are checked before
 anything starts; vLLM's (10-30 s of import) while the tree starts, which a rejection stops.
     --emit-systemd DIR     write systemd units for every host into DIR
+    --emit-prometheus FILE write a Prometheus scrape configuration for the topology into FILE
+                           (``-``: standard output; --scrape-interval sets its interval)
 
 Exit codes: 0 after a requested shutdown (SIGTERM/SIGINT), 1 when the root supervisor gave up
 (systemd's Restart=on-failure then restarts the host), 2 for a bad topology or command line.
@@ -34,8 +36,10 @@ from config.credentials import scoped_workers_problem
 from config.loader import TopologyError, load_topology
 from config.topology import Topology
 from config.workers import kv_replicas
+from deploy import prometheus
 from deploy.engine_check import check_engines, check_vllm_engines
 from deploy.pools import PoolSpawner
+from deploy.root_metrics import RootMetricsServer
 from deploy.systemd import emit_units
 from deploy.tree import (
     INPROC,
@@ -68,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="validate and print the tree; start nothing")
     mode.add_argument("--emit-systemd", metavar="DIR", help="write systemd unit files into DIR")
+    mode.add_argument("--emit-prometheus", metavar="FILE",
+                      help="write a Prometheus scrape configuration into FILE ('-': stdout)")
+    p.add_argument("--scrape-interval", default="15s", help="scrape interval of --emit-prometheus")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p.parse_args(argv)
 
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t = load_topology(args.topology, args.overrides)
         name, hosts = shares(t, args.host)
+        if args.emit_prometheus:
+            return _emit_prometheus(t, args)
         if not args.emit_systemd:  # units are written for other machines, whose engines are theirs
             # an engine arg the engine rejects would fail every worker start: refuse it now (a start
             # checks vLLM's pools while its tree starts: boot)
@@ -123,6 +132,21 @@ def main(argv: list[str] | None = None) -> int:
               f"with --host NAME (hosts: {', '.join(hosts)})", file=sys.stderr)
         return EXIT_USAGE
     return event_loop.run(boot(t, args.topology, args.overrides, name, hosts))
+
+
+def _emit_prometheus(t: Topology, args: argparse.Namespace) -> int:
+    text = prometheus.render(t, scrape_interval=args.scrape_interval, source=args.topology,
+                             overrides=args.overrides)
+    if args.emit_prometheus == "-":
+        sys.stdout.write(text)
+        return EXIT_OK
+    try:
+        Path(args.emit_prometheus).write_text(text)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(args.emit_prometheus)
+    return EXIT_OK
 
 
 def _bus_words(t: Topology) -> str:
@@ -202,10 +226,21 @@ async def boot(t: Topology, topology_path: str | Path, overrides: list[str], nam
         tracing.configure(t.tracing, service="vllm-actors-frontend", namespace=t.namespace,
                           instance=f"frontend-{fe.host}")
     rejected: list[TopologyError] = []
+    metrics_server = None
+    if t.metrics.root_port is not None:
+        metrics_server = RootMetricsServer(t.metrics.root_host, t.metrics.root_port,
+                                           [plan.planner_metrics.registry] if plan.planner_metrics else [])
+        try:
+            await metrics_server.start()
+        except OSError as e:  # a taken port: the operator asked for this listener, so say it and stop
+            log.error("root metrics on %s:%d: %s", t.metrics.root_host, t.metrics.root_port, e)
+            return EXIT_FAILED
     checking = asyncio.create_task(_check_vllm_beside_the_start(t, hosts, topology_path, overrides, stop, rejected))
     try:
         code = await serve_root(root, stop, Notifier(), shutdown_timeout=s.shutdown_timeout)
     finally:
+        if metrics_server is not None:
+            await metrics_server.stop()
         checking.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await checking

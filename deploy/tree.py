@@ -166,6 +166,8 @@ class HostPlan:
     children: list[Node]
     link: BusLink
     status: StatusRelay
+    # the planner's series when it runs in this root: the root's metrics listener serves them too
+    planner_metrics: PlannerMetrics | None = None
 
 
 def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list[str] | None = None,
@@ -223,7 +225,7 @@ def plan_host(t: Topology, host: str, topology_path: str | Path, overrides: list
     for name, pool in t.pools.items():
         if pool.host in shares:
             nodes += _worker_nodes(t, name, pool, topology_path, overrides, authority)
-    return HostPlan(host, host, sup, nodes, link, relay)
+    return HostPlan(host, host, sup, nodes, link, relay, planner_metrics)
 
 
 def build_host_tree(plan: HostPlan) -> list[ChildSpec]:

@@ -32,6 +32,7 @@ from typing import Any
 
 from bus.backoff import Backoff
 from bus.errors import Conflict, NotFound, Unavailable
+from supervisors import metrics
 from supervisors.child import Child, ChildSpec, Escalation, Misconfigured, NormalExit
 from supervisors.mailbox import Command, Event, Mailbox
 from supervisors.policy import RestartPolicy, Strategy
@@ -68,6 +69,7 @@ class Supervisor:
         self._done = asyncio.Event()
         self._starter = Starter(name, self._mailbox.post, functools.partial(kill, name))
         self._settled = False  # every child up (or stopped) and that has been reported
+        metrics.track(self)  # children by state on this process's /metrics
 
     # --- Child protocol ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -233,7 +235,7 @@ class Supervisor:
                 return
             log.warning("supervisor %s: %s escalated: %s", self.name, child_id, reason)
             await stop_slot(self.name, self._starter, slot)
-            await self._crashed(slot, Escalation(reason))
+            await self._crashed(slot, Escalation(reason), label="escalated")
         elif kind == "cmd":
             _, fn, fut = ev
             await self._mailbox.run(fn, fut)
@@ -244,8 +246,9 @@ class Supervisor:
         return await self._mailbox.call(fn)
 
     # --- crash handling --------------------------------------------------------------------------
-    async def _crashed(self, slot: Slot, exc: BaseException | None) -> None:
-        """``slot``'s child is gone (exited, crashed, failed to start or was escalated)."""
+    async def _crashed(self, slot: Slot, exc: BaseException | None, label: str | None = None) -> None:
+        """``slot``'s child is gone (exited, crashed, failed to start or was escalated). ``label``:
+        the restart's reason on /metrics when the exception's own would mislead."""
         reason = describe(exc)
         if isinstance(exc, NormalExit):  # a normal exit that says why (e.g. "snapshot complete")
             reason, exc = str(exc), None
@@ -291,6 +294,8 @@ class Supervisor:
                 continue
             s.state, s.deadline = "restarting", now + delay
             s.restarts += 1
+            metrics.restarted(self.name, s.spec.id, (label or metrics.reason_label(exc)) if s is slot
+                              else policy.strategy)
 
     def _misconfigured(self, slot: Slot, exc: BaseException | None, reason: str) -> bool:
         """Handle a Misconfigured failure: True when it ends here (this supervisor gives up, or the
@@ -392,6 +397,7 @@ class Supervisor:
             s.state, s.deadline, s.attempt = "restarting", now, 0
             s.restarts += 1
             s.last_exit_reason = "restart requested"
+            metrics.restarted(self.name, s.spec.id, "requested")
         return [self._waiter(s) for s in group]
 
     async def _cmd_spawn(self, spec: ChildSpec) -> asyncio.Future[None]:

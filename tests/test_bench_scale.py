@@ -9,33 +9,33 @@ import pytest
 from bench.scale_stats import Histogram, growth, parse_histograms, percentile
 
 EXPOSITION = """\
-# HELP router_matching_seconds Time of find_matches
-# TYPE router_matching_seconds histogram
-router_matching_seconds_bucket{le="0.001"} 10.0
-router_matching_seconds_bucket{le="0.01"} 30.0
-router_matching_seconds_bucket{le="0.1"} 40.0
-router_matching_seconds_bucket{le="+Inf"} 40.0
-router_matching_seconds_count 40.0
-router_matching_seconds_sum 0.5
+# HELP vllm_actors_router_matching_seconds Time of find_matches
+# TYPE vllm_actors_router_matching_seconds histogram
+vllm_actors_router_matching_seconds_bucket{le="0.001"} 10.0
+vllm_actors_router_matching_seconds_bucket{le="0.01"} 30.0
+vllm_actors_router_matching_seconds_bucket{le="0.1"} 40.0
+vllm_actors_router_matching_seconds_bucket{le="+Inf"} 40.0
+vllm_actors_router_matching_seconds_count 40.0
+vllm_actors_router_matching_seconds_sum 0.5
 # a labelled histogram is not one of ours: left out
 http_seconds_bucket{model="tiny",le="1.0"} 3.0
 http_seconds_bucket{model="tiny",le="+Inf"} 3.0
 http_seconds_count{model="tiny"} 3.0
 http_seconds_sum{model="tiny"} 1.0
-router_decisions_total{mode="kv"} 40.0
+vllm_actors_router_decisions_total{mode="kv"} 40.0
 """
 
 
 def test_parse_reads_unlabelled_histograms_only() -> None:
     hs = parse_histograms(EXPOSITION)
-    assert set(hs) == {"router_matching_seconds"}
-    h = hs["router_matching_seconds"]
+    assert set(hs) == {"vllm_actors_router_matching_seconds"}
+    h = hs["vllm_actors_router_matching_seconds"]
     assert h.buckets == ((0.001, 10.0), (0.01, 30.0), (0.1, 40.0), (math.inf, 40.0))
     assert (h.count, h.sum) == (40.0, 0.5)
 
 
 def test_delta_and_quantiles_interpolate_inside_the_bucket() -> None:
-    after = parse_histograms(EXPOSITION)["router_matching_seconds"]
+    after = parse_histograms(EXPOSITION)["vllm_actors_router_matching_seconds"]
     before = Histogram(((0.001, 10.0), (0.01, 10.0), (0.1, 10.0), (math.inf, 10.0)), 0.004, 10.0)
     d = after.minus(before)
     assert d.buckets == ((0.001, 0.0), (0.01, 20.0), (0.1, 30.0), (math.inf, 30.0))

@@ -47,6 +47,7 @@ from .readiness import PoolExpectation, Readiness, WakeState
 from .response_store import ResponseStore
 from .routing import Router, make_router
 from .shared_quarantine import SharedQuarantine
+from .worker_load import WorkerLoad, WorkerLoadFeed
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,10 @@ class FrontendActor(Actor):
         self._confirmer: InstanceConfirmer | None = None
         self.metrics = FrontendMetrics(observations=Observations(self.instance, self.model or None),
                                        extra=extra_metrics)
+        # every worker's load reports, on this /metrics whichever router runs
+        self.worker_load = WorkerLoad(self.workers.records, self.metrics.prefix)
+        self.metrics.registry.register(self.worker_load)
+        self._load_feed = WorkerLoadFeed(bus, self.worker_load)
         self._observer: asyncio.Task[None] | None = None
         self._router: Router | None = None
         self.app: FrontendApp | None = None
@@ -175,6 +180,7 @@ class FrontendActor(Actor):
         vllm.envs.enable_envs_cache()
         host, port = split_hostport(self.config.http)
         try:
+            await self._load_feed.start()
             if self.cold is not None:
                 self._outcome_sub = await self.bus.nc.subscribe(self.bus.subjects.wake_outcome(),
                                                                 cb=self._on_wake_outcome)
@@ -215,6 +221,7 @@ class FrontendActor(Actor):
         await self._cleanup()
 
     async def _cleanup(self) -> None:
+        await self._load_feed.stop()
         if self._outcome_sub is not None:
             with contextlib.suppress(Exception):
                 await self._outcome_sub.unsubscribe()

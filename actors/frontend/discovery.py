@@ -95,6 +95,7 @@ class WorkerSet:
         self._lora_model: dict[str, str | None] = {}  # lora name → base model
         self.loras: dict[str, dict[str, Any]] = {}  # lora name → {"model", "instances"} (derived: live)
         self._by_role: dict[tuple[str, str], list[Worker]] = {}
+        self._pools: dict[str, str] = {}  # worker instance → its pool (any status)
         self.listeners: list[Callable[[], None]] = []
 
     # --- registry updates ----------------------------------------------------------------------
@@ -178,6 +179,10 @@ class WorkerSet:
     def ready_instances(self) -> list[Worker]:
         return [w for ws in self._by_role.values() for w in ws]
 
+    def pool_of(self, instance: str | None) -> str | None:
+        """The pool of a worker in the registry (ready or not): the latency metrics' label."""
+        return self._pools.get(instance) if instance is not None else None
+
     def records(self) -> list[InstanceRecord]:
         """Every worker's instance record (any status, confirmed or not)."""
         return [r for r in self._records.values() if r.is_worker]
@@ -219,6 +224,7 @@ class WorkerSet:
         for ws in by_role.values():
             ws.sort(key=lambda w: w.instance)  # stable order for round robin
         self._by_role = by_role
+        self._pools = {rec.instance: rec.pool or rec.role for rec in self._records.values() if rec.is_worker}
         self.models = self._servable(by_role)
         live = {w.instance for ws in by_role.values() for w in ws}
         loras: dict[str, dict[str, Any]] = {}

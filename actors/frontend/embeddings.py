@@ -139,7 +139,8 @@ class EmbeddingService:
                                                        on_quarantine=series.quarantined.inc)
             finally:
                 series.inflight.dec()
-            series.duration.observe(time.perf_counter() - t0)
+            pool = next((c.pool for c in entry.cards.values() if c.role == "embed"), None)
+            series.pool(pool).duration.observe(time.perf_counter() - t0)
             status = 200
             headers = {WORKER_HEADER: ",".join(dict.fromkeys(served))}
             if plan.encoding_format in ("bytes", "bytes_only"):

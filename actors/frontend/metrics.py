@@ -9,6 +9,9 @@ from typing import Any
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+import bus.metrics
+import supervisors.metrics
+
 from .observations import Observations
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -17,15 +20,29 @@ _WAKE = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
 _TOK = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
+NO_POOL = "none"  # the pool label of a request that never reached a worker
+
+
+class PoolSeries:
+    """One (model, pool)'s latency children: the pool is that of the worker that produced the
+    tokens (the agg pool, or the decode pool in disaggregation)."""
+
+    __slots__ = ("duration", "ttft", "itl")
+
+    def __init__(self, m: FrontendMetrics, model: str, pool: str) -> None:
+        self.duration = m.duration.labels(model, pool)
+        self.ttft = m.ttft.labels(model, pool)
+        self.itl = m.itl.labels(model, pool)
+
+
 class ModelSeries:
     """The per-model children of ``FrontendMetrics``' series (see ``FrontendMetrics.model``)."""
 
     def __init__(self, m: FrontendMetrics, name: str) -> None:
+        self._m = m
+        self._pools: dict[str | None, PoolSeries] = {}
         self.queued = m.queued.labels(name)
         self.inflight = m.inflight.labels(name)
-        self.duration = m.duration.labels(name)
-        self.ttft = m.ttft.labels(name)
-        self.itl = m.itl.labels(name)
         self.input_tokens = m.input_tokens.labels(name)
         self.output_tokens = m.output_tokens.labels(name)
         self.cached_tokens = m.cached_tokens.labels(name)
@@ -33,11 +50,19 @@ class ModelSeries:
         self.quarantined = m.quarantined.labels(name)
         self.name = name
 
+    def pool(self, pool: str | None) -> PoolSeries:
+        """The latency children of this model in ``pool`` (None: no worker was reached), resolved
+        once per pool as the model's are."""
+        series = self._pools.get(pool)
+        if series is None:
+            series = self._pools[pool] = PoolSeries(self._m, self.name, pool or NO_POOL)
+        return series
+
 
 class FrontendMetrics:
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, prefix: str = "frontend", observations: Observations | None = None,
+    def __init__(self, prefix: str = "vllm_actors_frontend", observations: Observations | None = None,
                  extra: Sequence[CollectorRegistry] = ()) -> None:
         """``extra``: registries of other actors of this process that /metrics serves too (the
         planner's, when it runs beside the frontend)."""
@@ -46,28 +71,28 @@ class FrontendMetrics:
         # request and take TTFT from the same start (the pipeline's t0)
         self.observations = observations if observations is not None else Observations()
         r = self.registry = CollectorRegistry(auto_describe=True)
-        p = prefix
+        p = self.prefix = prefix
         self.requests = Counter(f"{p}_requests", "HTTP requests by endpoint, model and status",
                                 ["endpoint", "model", "status"], registry=r)
         self.inflight = Gauge(f"{p}_inflight_requests", "Requests being served", ["model"], registry=r)
         self.queued = Gauge(f"{p}_queued_requests", "Requests waiting for a worker (preprocess/route)",
                             ["model"], registry=r)
-        self.duration = Histogram(f"{p}_request_duration_seconds", "Request duration", ["model"],
+        # latency by model and the pool whose worker produced the tokens (ModelSeries.pool)
+        self.duration = Histogram(f"{p}_request_duration_seconds", "Request duration", ["model", "pool"],
                                   buckets=_LAT, registry=r)
-        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time to first token", ["model"],
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Time to first token", ["model", "pool"],
                               buckets=_LAT, registry=r)
         self.itl = Histogram(f"{p}_inter_token_latency_seconds", "Time between streamed chunks, per token",
-                             ["model"], buckets=_ITL, registry=r)
+                             ["model", "pool"], buckets=_ITL, registry=r)
         self.input_tokens = Histogram(f"{p}_input_sequence_tokens", "Prompt tokens", ["model"],
                                       buckets=_TOK, registry=r)
         self.output_tokens = Histogram(f"{p}_output_sequence_tokens", "Completion tokens", ["model"],
                                        buckets=_TOK, registry=r)
         self.cached_tokens = Counter(f"{p}_cached_tokens", "Prompt tokens served from prefix cache",
                                      ["model"], registry=r)
-        self.migrations = Counter(f"{p}_migrations", "Streams re-sent to another worker", ["model"],
+        self.migrations = Counter(f"{p}_model_migration", "Streams re-sent to another worker", ["model"],
                                   registry=r)
-        # named as the operator guide spells it (no frontend_ prefix): one series per deployment
-        self.quarantined = Counter("requests_quarantined", "Requests failed and refused after the workers "
+        self.quarantined = Counter("vllm_actors_frontend_quarantined_requests", "Requests failed and refused after the workers "
                                    "serving them died twice", ["model"], registry=r)
         self.cancellations = Counter(f"{p}_cancellations", "Worker requests cancelled", ["model"],
                                      registry=r)
@@ -114,5 +139,7 @@ class FrontendMetrics:
         child.inc()
 
     def render(self) -> bytes:
-        # plus the default registry: the process and Python collectors prometheus_client puts there
-        return b"".join(generate_latest(r) for r in (self.registry, *self.extra, REGISTRY))
+        # plus the process's supervisors and bus connection, and the default registry: the process
+        # and Python collectors prometheus_client puts there
+        return b"".join(generate_latest(r) for r in (self.registry, *self.extra, supervisors.metrics.REGISTRY,
+                                                     bus.metrics.REGISTRY, REGISTRY))

@@ -5,7 +5,7 @@ the others for their series over the bus (``<ns>.frontend.scrape``, every proces
 serves them all, each series labelled ``frontend="<instance>"``: each process's counters stay
 monotonic (a restarted process's series start again at 0, which ``rate()`` reads as a reset), and
 ``sum without (frontend) (...)`` gives the whole frontend. A process that does not answer within
-``GATHER_TIMEOUT`` is missing from that scrape, and ``frontend_scrape_missing`` says how many are.
+``GATHER_TIMEOUT`` is missing from that scrape, and ``vllm_actors_frontend_scrape_missing`` says how many are.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def merge(parts: Sequence[tuple[str, bytes]], missing: int = 0) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(merged.values())))  # type: ignore[arg-type]
     own = CollectorRegistry()
-    Gauge("frontend_scrape_missing", "Frontend processes that did not answer this scrape in time",
+    Gauge("vllm_actors_frontend_scrape_missing", "Frontend processes that did not answer this scrape in time",
           registry=own).set(missing)
     return generate_latest(registry) + generate_latest(own)
 

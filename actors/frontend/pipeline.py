@@ -140,7 +140,8 @@ class CompletionPipeline:
                 series.output_tokens.observe(c.flow.state.completion_tokens)
                 if c.flow.state.cached_tokens:
                     series.cached_tokens.inc(c.flow.state.cached_tokens)
-            series.duration.observe(time.perf_counter() - t0)
+            pool = self.workers.pool_of(choices[0].flow.state.worker_instance)
+            series.pool(pool).duration.observe(time.perf_counter() - t0)
             return resp
         except ActorError as e:
             status = e.code
@@ -222,12 +223,17 @@ class CompletionPipeline:
             on_quarantine=series.quarantined.inc,
             migration_wait=mc.migration_wait if mc is not None else MIGRATION_WAIT, trace=trace)
 
+    def _pool_of(self, arrival: Arrival | None) -> str | None:
+        """The pool of the worker that produced an arrival (agg, or decode): a latency label."""
+        return self.workers.pool_of(arrival[0].flow.state.worker_instance) if arrival is not None else None
+
     async def _frames(self, out: ResponseBuilder, first: Arrival | None, arrivals: AsyncIterator[Arrival],
                       t_first: float) -> AsyncIterator[tuple[list[bytes], bool]]:
         """The response's chat SSE frames from its first arrival on, in batches of the frames ready
         at one moment (the role frame with the first token, the last token with the closing frames),
         each with whether it is the last. A failure after the first arrival is raised from here."""
-        itl = self.metrics.model(out.plan.entry.name).itl
+        # the pool is known from the first arrival on; resolved once here, never per token
+        itl = self.metrics.model(out.plan.entry.name).pool(self._pool_of(first)).itl
         pending: list[bytes] = list(out.sse_start())
         item: Arrival | None = first
         last = t_first
@@ -260,7 +266,7 @@ class CompletionPipeline:
         async with merged(out.choices) as arrivals:
             first = await anext(arrivals, None)  # errors before any output get a real HTTP status
             t_first = time.perf_counter()
-            self.metrics.model(out.plan.entry.name).ttft.observe(t_first - t0)
+            self.metrics.model(out.plan.entry.name).pool(self._pool_of(first)).ttft.observe(t_first - t0)
             if early is not None and early.started:
                 resp = early.response  # held for a cold model: its headers went with the keep-alives
             else:
@@ -324,7 +330,8 @@ class CompletionPipeline:
             async for c, chunk in arrivals:
                 if first:
                     first = False
-                    self.metrics.model(out.plan.entry.name).ttft.observe(time.perf_counter() - t0)
+                    pool = self.workers.pool_of(c.flow.state.worker_instance)
+                    self.metrics.model(out.plan.entry.name).pool(pool).ttft.observe(time.perf_counter() - t0)
                 out.feed(c, chunk)
         body = out.body() if shape is None else await shape.body(out.plan, out.body())
         return web.Response(body=encode_json(body), content_type="application/json", headers=out.headers())

@@ -69,20 +69,20 @@ class KvPublisherMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         reg = registry if registry is not None else CollectorRegistry()
         self.registry = reg
-        self.events = Counter("kv_publisher_events_total", "Router KV events produced",
+        self.events = Counter("vllm_actors_kv_publisher_events_total", "Router KV events produced",
                               ["kind"], registry=reg)
         self.block_size_mismatch = Counter(
-            "kv_publisher_block_size_mismatch_total",
+            "vllm_actors_kv_publisher_block_size_mismatch_total",
             "BlockStored events whose block size differs from the configured one", registry=reg)
         self.orphans = Counter(
-            "kv_publisher_orphan_blocks_total",
+            "vllm_actors_kv_publisher_orphan_blocks_total",
             "Stored blocks dropped because their parent was unknown", registry=reg)
         self.unknown_removals = Counter(
-            "kv_publisher_unknown_removals_total",
+            "vllm_actors_kv_publisher_unknown_removals_total",
             "Removed vLLM hashes that were never seen stored", registry=reg)
-        self.skipped = Counter("kv_publisher_skipped_events_total",
+        self.skipped = Counter("vllm_actors_kv_publisher_skipped_events_total",
                                "vLLM events ignored (other medium/group)", registry=reg)
-        self.zmq_gaps = Counter("kv_publisher_zmq_gaps_total",
+        self.zmq_gaps = Counter("vllm_actors_kv_publisher_zmq_gaps_total",
                                 "Gaps in vLLM's ZMQ sequence numbers", registry=reg)
 
 

@@ -16,15 +16,15 @@ _QUANTITIES = ("request_rate", "isl", "osl", "kv_hit_rate", "ttft_ms", "itl_ms",
 class PlannerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
-        self.replicas = Gauge("planner_replicas", "Replicas per pool at the last decision: current (the "
+        self.replicas = Gauge("vllm_actors_planner_replicas", "Replicas per pool at the last decision: current (the "
                               "supervisors run), ready (registered), desired (the mode asked), target "
                               "(after constraints)", ["pool", "kind"], registry=r)
-        self.decisions = Counter("planner_decisions", "Decisions taken", registry=r)
-        self.actions = Counter("planner_scale_actions", "Spawns and stops the planner asked the supervisors for",
+        self.decisions = Counter("vllm_actors_planner_decisions", "Decisions taken", registry=r)
+        self.actions = Counter("vllm_actors_planner_scale_actions", "Spawns and stops the planner asked the supervisors for",
                                ["pool", "kind", "outcome"], registry=r)
-        self.observed = Gauge("planner_observed", "What the planner observed over its last interval",
+        self.observed = Gauge("vllm_actors_planner_observed", "What the planner observed over its last interval",
                               ["quantity"], registry=r)
-        self.predicted = Gauge("planner_predicted", "Throughput mode: the next interval's predicted demand",
+        self.predicted = Gauge("vllm_actors_planner_predicted", "Throughput mode: the next interval's predicted demand",
                                ["quantity"], registry=r)
 
     def decided(self, d: Decision) -> None:

@@ -156,8 +156,8 @@ class KvPublisherActor(Actor):
         return {"worker_instance": self.worker_instance, "silent": self.silent,
                 "block_size": self.block_size, "published": self.published,
                 "publish_errors": self.publish_errors,
-                "block_size_mismatch": _sample(m, "kv_publisher_block_size_mismatch_total"),
-                "zmq_gaps": _sample(m, "kv_publisher_zmq_gaps_total"), "ranks": ranks}
+                "block_size_mismatch": _sample(m, "vllm_actors_kv_publisher_block_size_mismatch_total"),
+                "zmq_gaps": _sample(m, "vllm_actors_kv_publisher_zmq_gaps_total"), "ranks": ranks}
 
     async def on_start(self) -> None:
         if self.silent:
@@ -242,7 +242,7 @@ class KvPublisherActor(Actor):
             if seq < rank.next_seq:
                 return
         if seq > rank.next_seq:
-            rank.unfilled_gaps += 1  # the translator counts it in kv_publisher_zmq_gaps_total
+            rank.unfilled_gaps += 1  # the translator counts it in vllm_actors_kv_publisher_zmq_gaps_total
         await self._apply(rank, seq, frames[-1])
 
     async def _apply(self, rank: _RankFeed, seq: int, payload: bytes) -> None:

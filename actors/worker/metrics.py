@@ -24,6 +24,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+import bus.metrics
+import supervisors.metrics
 from actors.engines.protocol import EngineStats, StepSample
 from actors.worker.contract import LoadReport
 
@@ -31,34 +33,36 @@ _DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30
 
 
 class WorkerMetrics:
-    """Request and KV metrics of one worker (labelled with its instance and model)."""
+    """Request and KV metrics of one worker, labelled with its instance as ``worker_id`` (not
+    ``instance``: Prometheus sets that label on every scraped series, and a scrape renames ours
+    to ``exported_instance``) and its model."""
 
     def __init__(self, instance: str, model: str, registry: CollectorRegistry | None = None) -> None:
         self.instance = instance
         self.model = model
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         r = self.registry
-        base = ["instance", "model", "endpoint"]
-        self.requests = Counter("worker_requests", "Requests handled, by endpoint and status",
+        base = ["worker_id", "model", "endpoint"]
+        self.requests = Counter("vllm_actors_worker_requests", "Requests handled, by endpoint and status",
                                 [*base, "status"], registry=r)
-        self.duration = Histogram("worker_request_duration_seconds", "Request duration by endpoint",
+        self.duration = Histogram("vllm_actors_worker_request_duration_seconds", "Request duration by endpoint",
                                   base, buckets=_DURATION_BUCKETS, registry=r)
-        self.in_flight = Gauge("worker_requests_in_flight", "Requests being handled", base, registry=r)
-        self.cancellations = Counter("worker_cancellations", "Requests aborted before finishing",
+        self.in_flight = Gauge("vllm_actors_worker_inflight_requests", "Requests being handled", base, registry=r)
+        self.cancellations = Counter("vllm_actors_worker_cancellations", "Requests aborted before finishing",
                                      [*base, "reason"], registry=r)
         self._by_endpoint: dict[str, tuple[Any, Any]] = {}
         self._by_status: dict[tuple[str, str], Any] = {}
-        kv = ["instance", "model", "dp_rank"]
-        self.kv_total = Gauge("worker_kv_total_blocks", "KV cache blocks in the pool", kv, registry=r)
-        self.kv_usage = Gauge("worker_kv_usage", "KV cache usage fraction (0..1)", kv, registry=r)
-        self.kv_active = Gauge("worker_kv_active_blocks", "KV blocks held by requests", kv, registry=r)
-        self.prefix_hit_rate = Gauge("worker_prefix_cache_hit_rate", "Prefix cache hit rate (cumulative)",
+        kv = ["worker_id", "model", "dp_rank"]
+        self.kv_total = Gauge("vllm_actors_worker_kv_total_blocks", "KV cache blocks in the pool", kv, registry=r)
+        self.kv_usage = Gauge("vllm_actors_worker_kv_usage_perc", "KV cache usage fraction (0..1)", kv, registry=r)
+        self.kv_active = Gauge("vllm_actors_worker_kv_active_blocks", "KV blocks held by requests", kv, registry=r)
+        self.prefix_hit_rate = Gauge("vllm_actors_worker_prefix_cache_hit_rate", "Prefix cache hit rate (cumulative)",
                                      kv, registry=r)
-        self.num_running = Gauge("worker_num_running", "Running requests in the scheduler", kv, registry=r)
-        self.num_waiting = Gauge("worker_num_waiting", "Waiting requests in the scheduler", kv, registry=r)
+        self.num_running = Gauge("vllm_actors_worker_num_requests_running", "Running requests in the scheduler", kv, registry=r)
+        self.num_waiting = Gauge("vllm_actors_worker_num_requests_waiting", "Waiting requests in the scheduler", kv, registry=r)
 
     def _labels(self, endpoint: str) -> dict[str, str]:
-        return {"instance": self.instance, "model": self.model, "endpoint": endpoint}
+        return {"worker_id": self.instance, "model": self.model, "endpoint": endpoint}
 
     def _children(self, endpoint: str) -> tuple[Any, Any]:
         """(in flight, duration) of an endpoint, resolved once: ``labels()`` takes a lock and builds a
@@ -101,7 +105,7 @@ class WorkerMetrics:
 
     def update_engine(self, stats: list[EngineStats]) -> None:
         for s in stats:
-            kv = {"instance": self.instance, "model": self.model, "dp_rank": str(s.dp_rank)}
+            kv = {"worker_id": self.instance, "model": self.model, "dp_rank": str(s.dp_rank)}
             self.kv_total.labels(**kv).set(s.total_kv_blocks)
             self.kv_usage.labels(**kv).set(s.kv_usage)
             self.kv_active.labels(**kv).set(s.active_kv_blocks)
@@ -110,8 +114,15 @@ class WorkerMetrics:
             self.num_waiting.labels(**kv).set(s.num_waiting)
 
     def render(self) -> tuple[bytes, str]:
-        """Body and content type for /metrics: ours plus vLLM's own series."""
-        return generate_latest(self.registry) + engine_metrics(), CONTENT_TYPE_LATEST
+        """Body and content type for /metrics: ours, the process's supervisors and bus connection,
+        plus vLLM's own series."""
+        return generate_latest(self.registry) + process_metrics() + engine_metrics(), CONTENT_TYPE_LATEST
+
+
+def process_metrics() -> bytes:
+    """The worker process's supervisor (restarts, children) and bus connection: shown whether or
+    not an engine actor runs (one restarting is when they matter)."""
+    return generate_latest(supervisors.metrics.REGISTRY) + generate_latest(bus.metrics.REGISTRY)
 
 
 def engine_metrics() -> bytes:

@@ -38,7 +38,7 @@ from actors.worker.contract import HealthReply, LivenessReply
 from actors.worker.engine_actor import EngineActor
 from actors.worker.engine_factory import advertised_host, factory_for, has_encode_pool, with_engine_spans
 from actors.worker.health import HealthMonitor
-from actors.worker.metrics import engine_metrics
+from actors.worker.metrics import engine_metrics, process_metrics
 from actors.worker.status_http import StatusServer, status_bind_host
 from bus import event_loop, rpc, tracing
 from bus.connection import until_closed
@@ -275,7 +275,7 @@ async def run_worker(t: Topology, pool_name: str, replica: int, *, stop: asyncio
     if pool.status_port is not None:
         def render() -> tuple[bytes, str]:
             a = env.engine_actor
-            body = a.metrics.render()[0] if a is not None else engine_metrics()
+            body = a.metrics.render()[0] if a is not None else process_metrics() + engine_metrics()
             return body + generate_latest(env.kv_metrics.registry), CONTENT_TYPE_LATEST
 
         status = StatusServer(pool.status_port + replica if pool.status_port else 0, ready_check(env), render,

@@ -160,10 +160,10 @@ def assert_complete(results: list[dict[str, Any]]) -> None:
 
 
 def wake_seconds(d: Deployment) -> dict[str, float]:
-    """frontend_wake_seconds_count by its ``cold`` label."""
+    """vllm_actors_frontend_wake_seconds_count by its ``cold`` label."""
     out: dict[str, float] = {}
     for line in http_text(f"{d.url}/metrics").splitlines():
-        if line.startswith("frontend_wake_seconds_count{"):
+        if line.startswith("vllm_actors_frontend_wake_seconds_count{"):
             cold = line.split('cold="', 1)[1].split('"', 1)[0]
             out[cold] = out.get(cold, 0.0) + float(line.rsplit(" ", 1)[1])
     return out

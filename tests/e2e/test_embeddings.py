@@ -79,7 +79,7 @@ def worker_cancellations(d: Deployment) -> float:
     total = 0.0
     for i in range(2):
         for line in http_text(f"http://127.0.0.1:{d.status_ports['embed'] + i}/metrics").splitlines():
-            if line.startswith("worker_cancellations_total{") and 'endpoint="embed"' in line:
+            if line.startswith("vllm_actors_worker_cancellations_total{") and 'endpoint="embed"' in line:
                 total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -199,7 +199,7 @@ class TestMockerEmbeddings:
     def test_metrics_labelled_by_endpoint(self, emb: Deployment) -> None:
         client(emb).embeddings.create(model=MODEL, input="count me")
         text = http_text(f"{emb.url}/metrics")
-        assert f'frontend_requests_total{{endpoint="embeddings",model="{MODEL}",status="200"}}' in text
+        assert f'vllm_actors_frontend_requests_total{{endpoint="embeddings",model="{MODEL}",status="200"}}' in text
 
     def test_client_leaving_aborts_its_worker_requests(self, emb: Deployment) -> None:
         before = worker_cancellations(emb)
@@ -233,7 +233,7 @@ class TestMockerEmbeddings:
         assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
         assert victim not in raw.headers[WORKER_HEADER].split(","), raw.headers[WORKER_HEADER]
         assert time.monotonic() - t0 < 20
-        line = f'frontend_migrations_total{{model="{MODEL}"}} '
+        line = f'vllm_actors_frontend_model_migration_total{{model="{MODEL}"}} '
         moved = [float(x.split(" ")[-1]) for x in http_text(f"{emb.url}/metrics").splitlines() if x.startswith(line)]
         assert moved and moved[0] >= 1, moved
         emb.wait_until(lambda: _ready(emb) and victim not in emb.instances("embed"), 30, "killed worker replaced")

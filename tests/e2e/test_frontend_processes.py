@@ -39,7 +39,7 @@ SETS = ["frontend.processes=2", "frontend.router=kv", "pools.agg.replicas=2",
 def two(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     d = boot(tmp_path_factory, "fe_procs", "mocker-agg.toml", ready={"agg": 2}, sets=SETS)
     # ready means one process serves; the processes start side by side, and the tests want both
-    d.wait_until(lambda: re.search(r"^frontend_scrape_missing 0\.0$", http_text(f"{d.url}/metrics"), re.M),
+    d.wait_until(lambda: re.search(r"^vllm_actors_frontend_scrape_missing 0\.0$", http_text(f"{d.url}/metrics"), re.M),
                  60, "both frontend processes answer a scrape")
     yield d
     shutdown(d)
@@ -58,8 +58,8 @@ def scrape(d: Deployment) -> dict[tuple[str, str], float]:
     """(frontend process, status) -> chat requests, from one scrape of /metrics."""
     out: dict[tuple[str, str], float] = {}
     text = http_text(f"{d.url}/metrics")
-    assert re.search(r"^frontend_scrape_missing 0\.0$", text, re.M), "a frontend process did not answer the scrape"
-    for m in re.finditer(r'^frontend_requests_total\{([^}]*)\} (\S+)$', text, re.M):
+    assert re.search(r"^vllm_actors_frontend_scrape_missing 0\.0$", text, re.M), "a frontend process did not answer the scrape"
+    for m in re.finditer(r'^vllm_actors_frontend_requests_total\{([^}]*)\} (\S+)$', text, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         if labels.get("endpoint") == "chat":
             key = (labels["frontend"], labels["status"])
@@ -303,7 +303,7 @@ def test_a_stored_response_outlives_every_frontend_process(two: Deployment) -> N
     def restarted() -> bool:
         now = {c["id"]: c for c in asyncio.run(sc.root_children(two.bus_url, two.namespace))}
         return all(now[c]["restarts"] > before[c]["restarts"] for c in ("frontend-0", "frontend-1")) and \
-            bool(re.search(r"^frontend_scrape_missing 0\.0$", http_text(f"{two.url}/metrics"), re.M))
+            bool(re.search(r"^vllm_actors_frontend_scrape_missing 0\.0$", http_text(f"{two.url}/metrics"), re.M))
 
     two.wait_until(restarted, 60, "both frontend processes restarted and serving")
     read_by = set()

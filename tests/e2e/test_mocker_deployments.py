@@ -42,12 +42,12 @@ async def nats_req(nc: nats.NATS, subject: str, body: dict[str, Any], timeout: f
 
 
 def cancellations(d: Deployment, pool: str, replicas: int) -> float:
-    """Sum of worker_cancellations_total over the pool's worker status ports."""
+    """Sum of vllm_actors_worker_cancellations_total over the pool's worker status ports."""
     total = 0.0
     for i in range(replicas):
         text = http_text(f"http://127.0.0.1:{d.status_ports[pool] + i}/metrics")
         for line in text.splitlines():
-            if line.startswith("worker_cancellations_total{"):
+            if line.startswith("vllm_actors_worker_cancellations_total{"):
                 total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -416,4 +416,4 @@ class TestSingleWorkerEngineRestart:
         assert usage is not None and usage.completion_tokens == 50
         assert single.instances() == [inst]  # the same worker, its engine restarted in place
         metrics = http_text(f"{single.url}/metrics")
-        assert re.search(r'frontend_migrations_total\{model="tiny"\} [1-9]', metrics), "no migration happened"
+        assert re.search(r'vllm_actors_frontend_model_migration_total\{model="tiny"\} [1-9]', metrics), "no migration happened"

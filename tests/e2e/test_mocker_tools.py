@@ -287,7 +287,7 @@ def test_messages_plain_streamed_and_tool_use(dep: Deployment) -> None:
 
 def _requests_by_endpoint(d: Deployment) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
-    for m in re.finditer(r'^frontend_requests_total\{([^}]*)\} (\S+)$', http_text(f"{d.url}/metrics"), re.M):
+    for m in re.finditer(r'^vllm_actors_frontend_requests_total\{([^}]*)\} (\S+)$', http_text(f"{d.url}/metrics"), re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         key = (labels["endpoint"], labels["status"])
         out[key] = out.get(key, 0.0) + float(m.group(2))

@@ -134,7 +134,7 @@ class TestVllmAgg:
     def test_worker_metrics_include_vllms_own(self, vllm_agg: Deployment) -> None:
         """The worker's status port exports our worker series and vLLM's own, side by side."""
         text = http_text(f"http://127.0.0.1:{vllm_agg.status_ports['agg']}/metrics")
-        assert "worker_requests_total" in text and "worker_kv_total_blocks" in text
+        assert "vllm_actors_worker_requests_total" in text and "vllm_actors_worker_kv_total_blocks" in text
         assert "vllm:num_requests_running" in text and "vllm:prompt_tokens_total" in text
 
 

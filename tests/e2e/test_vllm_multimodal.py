@@ -57,7 +57,7 @@ def client(d: Deployment) -> OpenAI:
 
 
 def router_hits(d: Deployment) -> float:
-    m = re.search(r"^router_hit_blocks_total ([0-9.e+]+)$", http_text(f"{d.url}/metrics"), re.M)
+    m = re.search(r"^vllm_actors_router_hit_blocks_total ([0-9.e+]+)$", http_text(f"{d.url}/metrics"), re.M)
     return float(m.group(1)) if m else 0.0
 
 

@@ -145,8 +145,8 @@ async def test_held_requests_go_on_when_a_worker_serves_and_one_demand_is_sent()
     assert await asyncio.gather(*held) == [True] * 5
     assert not g.periods
     text = g.metrics.render().decode()
-    assert 'frontend_wake_seconds_count{cold="sleep",model="m"} 1.0' in text
-    assert 'frontend_held_requests_ended_total{model="m",outcome="served"} 5.0' in text
+    assert 'vllm_actors_frontend_wake_seconds_count{cold="sleep",model="m"} 1.0' in text
+    assert 'vllm_actors_frontend_held_requests_ended_total{model="m",outcome="served"} 5.0' in text
 
 
 async def test_a_model_that_is_not_cold_is_not_held() -> None:

@@ -120,7 +120,7 @@ async def test_migration_completes_the_stream(deploy: Any, text_ids: list[int]) 
     assert req.token_ids[:3] == [9, 9, 9] and len(req.token_ids) == 3 + 4
     assert req.sampling.max_tokens == 8
     metrics = deploy.frontend.metrics.render().decode()
-    assert 'frontend_migrations_total{model="tiny"} 1.0' in metrics
+    assert 'vllm_actors_frontend_model_migration_total{model="tiny"} 1.0' in metrics
 
 
 async def test_single_worker_restarted_in_place_continues_the_stream(deploy: Any, text_ids: list[int]) -> None:
@@ -201,7 +201,7 @@ async def test_client_disconnect_cancels_worker(deploy: Any) -> None:
     await until(lambda: len(w.cancelled) == 1, timeout=3.0)
     print(f"disconnect -> worker cancel: {1000 * (w.cancelled_at[0] - t_close):.1f} ms")
     assert not w.completed and len(w.requests) == 1
-    await until(lambda: 'frontend_client_disconnects_total{model="tiny"} 1.0'
+    await until(lambda: 'vllm_actors_frontend_client_disconnects_total{model="tiny"} 1.0'
                 in deploy.frontend.metrics.render().decode(), timeout=2.0)
 
 
@@ -285,7 +285,7 @@ async def test_poison_request_is_quarantined_after_two_deaths(deploy: Any) -> No
         async with http.post(deploy.url + "/v1/completions", json={**poison, "prompt": [7, 7, 8]}) as resp:
             assert resp.status == 200, await resp.text()
     metrics = deploy.frontend.metrics.render().decode()
-    assert 'requests_quarantined_total{model="tiny"} 1.0' in metrics
+    assert 'vllm_actors_frontend_quarantined_requests_total{model="tiny"} 1.0' in metrics
 
 
 async def test_one_death_is_retried_once(deploy: Any, text_ids: list[int]) -> None:

@@ -156,7 +156,7 @@ async def test_a_quarantine_reaches_every_frontend_and_one_started_later(bus: Bu
 # --- /metrics of every process ---------------------------------------------------------------------
 def exposition(requests: float, latency: float) -> bytes:
     r = CollectorRegistry()
-    Counter("frontend_requests", "HTTP requests", ["endpoint"], registry=r).labels("chat").inc(requests)
+    Counter("vllm_actors_frontend_requests", "HTTP requests", ["endpoint"], registry=r).labels("chat").inc(requests)
     Histogram("frontend_ttft_seconds", "TTFT", registry=r, buckets=[0.1, 1.0]).observe(latency)
     return generate_latest(r)
 
@@ -168,10 +168,10 @@ def samples(text: str, name: str) -> dict[str, float]:
 
 def test_merge_labels_each_process_and_keeps_every_series() -> None:
     text = metrics_merge.merge([("p0", exposition(3, 0.05)), ("p1", exposition(4, 0.5))]).decode()
-    assert samples(text, "frontend_requests_total") == {"p0": 3.0, "p1": 4.0}
+    assert samples(text, "vllm_actors_frontend_requests_total") == {"p0": 3.0, "p1": 4.0}
     assert samples(text, "frontend_ttft_seconds_count") == {"p0": 1.0, "p1": 1.0}
-    assert text.count("# TYPE frontend_requests_total counter") == 1  # one family, both processes
-    assert re.search(r"^frontend_scrape_missing 0\.0$", text, re.M)
+    assert text.count("# TYPE vllm_actors_frontend_requests_total counter") == 1  # one family, both processes
+    assert re.search(r"^vllm_actors_frontend_scrape_missing 0\.0$", text, re.M)
 
 
 async def test_gather_asks_every_process_over_the_bus(bus: BusContext, peer: BusContext) -> None:
@@ -186,10 +186,10 @@ async def test_gather_asks_every_process_over_the_bus(bus: BusContext, peer: Bus
         # returns once both answered (the timeout only bounds a loaded box's wait)
         text = (await metrics_merge.gather(bus.nc, subject, "p0", exposition(2, 0.05), expected=1,
                                            timeout=10.0)).decode()
-        assert samples(text, "frontend_requests_total") == {"p0": 2.0, "p1": 5.0}
+        assert samples(text, "vllm_actors_frontend_requests_total") == {"p0": 2.0, "p1": 5.0}
         # one process more than answers: it is reported missing, after the timeout
         text = (await metrics_merge.gather(bus.nc, subject, "p0", exposition(2, 0.05), expected=2,
                                            timeout=0.3)).decode()
-        assert re.search(r"^frontend_scrape_missing 1\.0$", text, re.M)
+        assert re.search(r"^vllm_actors_frontend_scrape_missing 1\.0$", text, re.M)
     finally:
         await sub.unsubscribe()

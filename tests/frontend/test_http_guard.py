@@ -109,7 +109,7 @@ async def test_silent_connection_gets_408_json_within_header_timeout(deploy: Any
     status, headers, body = parse(raw)
     assert_openai_error(status, headers, body, 408)
     assert headers["connection"] == "close"
-    assert sample(deploy.frontend, "frontend_http_timeouts_total", phase="header") == 1
+    assert sample(deploy.frontend, "vllm_actors_frontend_http_timeouts_total", phase="header") == 1
 
 
 async def test_slowloris_is_closed_at_header_timeout(deploy: Any) -> None:
@@ -133,7 +133,7 @@ async def test_slowloris_is_closed_at_header_timeout(deploy: Any) -> None:
         writer.close()
     # the lines sent after the answer are read and dropped while it lingers: no reset, the 408 arrives
     assert_openai_error(*parse(raw), 408)
-    assert sample(deploy.frontend, "frontend_http_timeouts_total", phase="header") == 1
+    assert sample(deploy.frontend, "vllm_actors_frontend_http_timeouts_total", phase="header") == 1
 
 
 async def test_kept_alive_connection_times_its_next_head_from_first_byte(deploy: Any) -> None:
@@ -163,7 +163,7 @@ async def test_idle_keepalive_connection_is_closed_silently(deploy: Any) -> None
     assert (await read_response(reader))[0] == 200
     assert await wait_closed(reader, T + SLACK) == b""
     writer.close()
-    assert sample(deploy.frontend, "frontend_http_timeouts_total", phase="keepalive") == 1
+    assert sample(deploy.frontend, "vllm_actors_frontend_http_timeouts_total", phase="keepalive") == 1
 
 
 # --- body timeout ----------------------------------------------------------------------------------------------
@@ -189,7 +189,7 @@ async def test_body_trickle_gets_408(deploy: Any) -> None:
     finally:
         task.cancel()
         writer.close()
-    assert sample(deploy.frontend, "frontend_http_timeouts_total", phase="body") == 1
+    assert sample(deploy.frontend, "vllm_actors_frontend_http_timeouts_total", phase="body") == 1
 
 
 # --- connection limit -------------------------------------------------------------------------------------------
@@ -203,11 +203,11 @@ async def test_connection_limit_gives_503_and_the_freed_slot_serves(deploy: Any)
     status, headers, body = parse(raw)
     assert_openai_error(status, headers, body, 503)
     assert headers["retry-after"] == "1" and headers["connection"] == "close"
-    assert sample(fe, "frontend_http_connections_refused_total") == 1
+    assert sample(fe, "vllm_actors_frontend_http_connections_refused_total") == 1
 
     held.pop()[1].close()
     async with asyncio.timeout(SLACK):
-        while sample(fe, "frontend_http_connections") > 1:
+        while sample(fe, "vllm_actors_frontend_http_connections") > 1:
             await asyncio.sleep(0.02)
     reader, writer = await connect(port)
     writer.write(b"GET /live HTTP/1.1\r\nHost: t\r\n\r\n")
@@ -230,8 +230,8 @@ async def test_idle_connection_gives_way_at_the_limit(deploy: Any) -> None:
     writer.write(get)
     assert (await read_response(reader))[0] == 200
     assert await wait_closed(idle[0][0], SLACK) == b""  # the oldest idle one, silently
-    assert sample(deploy.frontend, "frontend_http_idle_evicted_total") == 1
-    assert sample(deploy.frontend, "frontend_http_connections_refused_total") == 0
+    assert sample(deploy.frontend, "vllm_actors_frontend_http_idle_evicted_total") == 1
+    assert sample(deploy.frontend, "vllm_actors_frontend_http_connections_refused_total") == 0
     for _, w in [*idle, (reader, writer)]:
         w.close()
 
@@ -262,7 +262,7 @@ async def test_long_stream_is_not_cut(deploy: Any, http: aiohttp.ClientSession) 
     finals = [json.loads(e[6:])["choices"][0]["finish_reason"] for e in events[:-1]]
     assert finals[-1] == "length" and len(finals) >= 8
     assert doc["usage"]["completion_tokens"] == 8
-    assert sample(deploy.frontend, "frontend_http_timeouts_total", phase="header") == 0
+    assert sample(deploy.frontend, "vllm_actors_frontend_http_timeouts_total", phase="header") == 0
 
 
 # --- malformed HTTP ---------------------------------------------------------------------------------------------
@@ -325,7 +325,7 @@ async def test_malformed_http_gets_openai_json(deploy: Any, caplog: pytest.LogCa
             finally:
                 writer.close()
     assert not failures, "\n".join(failures)
-    assert sample(deploy.frontend, "frontend_http_malformed_requests_total") >= 20
+    assert sample(deploy.frontend, "vllm_actors_frontend_http_malformed_requests_total") >= 20
     # a malformed request is the client's problem: nothing above info, and no traceback
     loud = [r for r in caplog.records if r.levelno > logging.INFO or r.exc_info]
     assert not loud, [r.getMessage() for r in loud]

@@ -113,7 +113,7 @@ async def test_router_metrics_on_frontend_metrics(kv_stack: Any) -> None:
 
     async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{fe.port}/metrics") as r:
         text = await r.text()
-    assert "frontend_requests_total" in text
+    assert "vllm_actors_frontend_requests_total" in text
     assert "router_" in text and "hashing" in text  # the kv router's overhead histograms
 
 

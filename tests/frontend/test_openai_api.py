@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 import openai
@@ -189,8 +190,18 @@ async def test_models_health_live_metrics(agg: Any, http) -> None:
     await client(agg).completions.create(model=MODEL, prompt="x", max_tokens=2)
     async with http.get(agg.url + "/metrics") as r:
         text = await r.text()
-    assert 'frontend_requests_total{endpoint="completions",model="tiny",status="200"}' in text
-    assert "frontend_time_to_first_token_seconds_bucket" in text
+    assert 'vllm_actors_frontend_requests_total{endpoint="completions",model="tiny",status="200"}' in text
+    assert "vllm_actors_frontend_time_to_first_token_seconds_bucket" in text
+    # latency by model and the pool of the worker that produced the tokens
+    for family in ("time_to_first_token_seconds", "request_duration_seconds"):
+        assert f'vllm_actors_frontend_{family}_count{{model="tiny",pool="agg"}} 1.0' in text, family
+    stream = await client(agg).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                       max_tokens=3, stream=True)
+    assert len([c async for c in stream]) > 2
+    async with http.get(agg.url + "/metrics") as r:
+        text = await r.text()
+    assert re.search(r'^vllm_actors_frontend_inter_token_latency_seconds_count\{model="tiny",pool="agg"\} [1-9]',
+                     text, re.M), "no inter-token latency by pool"
 
 
 async def test_health_503_without_workers(deploy: Any, http) -> None:

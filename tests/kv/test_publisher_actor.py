@@ -175,7 +175,7 @@ async def test_block_size_mismatch_is_a_warning_and_a_metric(bus: BusContext, en
     try:
         await generate(engine, list(range(1, 20)), "m1")
         await eventually(lambda: len(sink.events) >= 1)
-        assert pub.kv_metrics.registry.get_sample_value("kv_publisher_block_size_mismatch_total") >= 1
+        assert pub.kv_metrics.registry.get_sample_value("vllm_actors_kv_publisher_block_size_mismatch_total") >= 1
         assert pub.statistics()["block_size_mismatch"] >= 1
         assert any("block size 4 differs from the configured 8" in r.getMessage() for r in caplog.records)
         # events say which block size they really use, so routers can flag it too

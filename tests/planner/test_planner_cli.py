@@ -176,8 +176,8 @@ def test_throughput_mode_scales_each_pool_up_and_back_without_failing_a_request(
         ups = [p for dec in decisions["decisions"] for p in dec["pools"] if p["target"] > p["current"]]
         assert ups and all("rate" in p["reason"] or "req" in p["reason"] for p in ups), ups
         metrics = http_text(f"{d.url}/metrics")  # the planner's series beside the frontend's
-        assert 'planner_replicas{kind="target",pool="decode"}' in metrics
-        assert 'planner_scale_actions_total{kind="spawn",outcome="ok",pool="decode"}' in metrics
+        assert 'vllm_actors_planner_replicas{kind="target",pool="decode"}' in metrics
+        assert 'vllm_actors_planner_scale_actions_total{kind="spawn",outcome="ok",pool="decode"}' in metrics
         # back to 1 req/s (one replica per pool, as at the start): requests keep arriving while
         # replicas drain and stop (at least two intervals: one change per pool at a time)
         traffic.set_rate(1.0)

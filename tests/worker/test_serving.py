@@ -350,7 +350,7 @@ async def test_load_reports_from_stats(svc: EngineService) -> None:
     reps = load_reports("i", svc.engine.stats(), now=1.0)
     assert len(reps) == 1 and reps[0].instance == "i" and reps[0].total_kv_blocks > 0
     svc.metrics.update_engine(svc.engine.stats())
-    assert b'worker_kv_total_blocks{dp_rank="0"' in svc.metrics.render()[0]
+    assert b'vllm_actors_worker_kv_total_blocks{dp_rank="0"' in svc.metrics.render()[0]
 
 
 # --- health checker logic ----------------------------------------------------------------------------

@@ -43,7 +43,7 @@ async def test_health_is_503_until_ready_then_200() -> None:
             async with http.get(f"{base}/metrics") as r:
                 text = await r.text()
                 assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
-                assert 'worker_requests_total{endpoint="generate",instance="i",model="m",status="ok"} 1.0' in text
+                assert 'vllm_actors_worker_requests_total{endpoint="generate",model="m",status="ok",worker_id="i"} 1.0' in text
     finally:
         await srv.stop()
 

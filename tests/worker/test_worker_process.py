@@ -141,8 +141,8 @@ async def test_worker_process_ready_status_and_serving(nats_server: EmbeddedNats
                 assert r.status == 200
             async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
                 text = await r.text()
-                assert 'worker_requests_total{endpoint="generate"' in text
-                assert "worker_kv_total_blocks" in text
+                assert 'vllm_actors_worker_requests_total{endpoint="generate"' in text
+                assert "vllm_actors_worker_kv_total_blocks" in text
     finally:
         await ctx.close()
     w.proc.terminate()
