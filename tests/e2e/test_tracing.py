@@ -51,6 +51,18 @@ def client_parent(sampled: bool = True) -> tuple[str, str, str]:
     return trace_id, span_id, f"00-{trace_id}-{span_id}-{'01' if sampled else '00'}"
 
 
+def whole(receiver: OtlpReceiver, trace_id: str, http: str, workers: int) -> list[Span]:
+    """The trace once every process has exported its part: each process exports its own batches,
+    and a span ends after its children (the HTTP span after the frontend's others, worker.generate
+    after engine.generate), so the HTTP span and ``workers`` worker spans mean all is in."""
+    def done(_spans: list[Span]) -> list[Span] | None:
+        spans = receiver.trace(trace_id)
+        names = [s.name for s in spans]
+        return spans if http in names and names.count("worker.generate") >= workers else None
+
+    return receiver.wait_for(done, 15, f"the whole trace {trace_id}")
+
+
 def one(spans: list[Span], name: str, **where: object) -> Span:
     found = [s for s in spans if s.name == name and all(s.attributes.get(k) == v for k, v in where.items())]
     assert len(found) == 1, (name, where, [(s.name, s.attributes) for s in spans])
@@ -85,9 +97,7 @@ def test_a_disaggregated_chat_is_one_trace_under_the_clients_span(disagg: Deploy
     reply = client(disagg, traceparent).chat.completions.create(model="tiny", messages=PROMPT, max_tokens=4)
     assert reply.choices[0].message.content is not None
 
-    # the worker's spans leave the worker process in its own batch: wait for the whole trace
-    spans = receiver.wait_for(lambda _s: (lambda t: t if len([s for s in t if s.name == "engine.generate"]) >= 2
-                                          else None)(receiver.trace(trace_id)), 15, "the chat's trace")
+    spans = whole(receiver, trace_id, "POST /v1/chat/completions", workers=2)
     http = one(spans, "POST /v1/chat/completions")
     # the client's traceparent is the root: our first span is its child, in its trace
     assert http.parent_id == parent_id and http.service == "vllm-actors-frontend"
@@ -116,8 +126,7 @@ def test_a_request_without_a_traceparent_starts_its_own_trace(disagg: Deployment
                                              and s.start_ns >= t0], 15, "the completion's HTTP span")
     (root,) = roots
     assert root.parent_id == ""  # a new trace
-    spans = receiver.wait_for(lambda _s: (lambda t: t if len([s for s in t if s.name == "engine.generate"]) >= 2
-                                          else None)(receiver.trace(root.trace_id)), 15, "the completion's trace")
+    spans = whole(receiver, root.trace_id, "POST /v1/completions", workers=2)
     assert [s.name for s in children(spans, root)] == ["plan", "prefill", "decode"]
 
 
@@ -137,8 +146,8 @@ def test_a_migrated_request_shows_one_attempt_per_worker(disagg: Deployment, rec
         http = [s for s in spans if s.name == "POST /v1/chat/completions"]
         workers = [s for s in spans if s.name == "worker.generate"]
         attempts = [s for s in spans if s.name == "decode"]
-        # every attempt's worker span has arrived (one worker process died mid-export at worst: its
-        # engine died, not the process)
+        # the prefill's worker span and every attempt's have arrived (an engine died, never a worker
+        # process: every worker span is exported)
         return spans if http and len(attempts) >= 2 and len(workers) >= len(attempts) + 1 else None
 
     spans = receiver.wait_for(migrated, 20, "the migrated request's trace")
@@ -159,6 +168,5 @@ def test_a_clients_unsampled_trace_is_recorded_nowhere(disagg: Deployment, recei
     # a sampled request after it: once its worker spans are in, the unsampled one's would be too
     sampled, _, traceparent = client_parent()
     client(disagg, traceparent).chat.completions.create(model="tiny", messages=PROMPT, max_tokens=2)
-    receiver.wait_for(lambda _s: len([s for s in receiver.trace(sampled) if s.name == "engine.generate"]) >= 2, 15,
-                      "the sampled request's trace")
+    whole(receiver, sampled, "POST /v1/chat/completions", workers=2)
     assert receiver.trace(unsampled) == []

@@ -120,7 +120,9 @@ class TestVllmAgg:
         c = OpenAI(base_url=f"{vllm_agg.url}/v1", api_key="none", max_retries=0, timeout=120,
                    default_headers={"traceparent": f"00-{trace_id}-{span_id}-01"})
         c.chat.completions.create(model="tiny", messages=PROMPT, max_tokens=4)
-        spans = otlp.wait_for(lambda _s: (lambda t: t if any(s.name == "llm_request" for s in t) else None)(
+        # three processes' exports (the frontend's, the worker's, vLLM's provider's) arrive apart
+        want = {"llm_request", "worker.generate", "POST /v1/chat/completions"}
+        spans = otlp.wait_for(lambda _s: (lambda t: t if want <= {s.name for s in t} else None)(
             otlp.trace(trace_id)), 30, "vLLM's llm_request span in the chat's trace")
         by_id = {s.span_id: s for s in spans}
         (vllm_span,) = [s for s in spans if s.name == "llm_request"]
