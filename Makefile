@@ -49,7 +49,8 @@ run: model
 	$(PY) -m actors.supervisor $(TOPOLOGY)
 
 # systemd-analyze is needed by the unit-file tests, iproute2's `ip` by the multi-host tests (network
-# namespaces); install them when missing.
+# namespaces), Debian's prometheus (and its promtool) by the dashboard and scrape-config tests (they
+# start their own on free ports; the package's own service is never used); install them when missing.
 test: install
 	@command -v systemd-analyze >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null)
 	@command -v ip >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null)
