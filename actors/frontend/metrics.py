@@ -92,7 +92,7 @@ class FrontendMetrics:
                                      ["model"], registry=r)
         self.migrations = Counter(f"{p}_model_migration", "Streams re-sent to another worker", ["model"],
                                   registry=r)
-        self.quarantined = Counter("vllm_actors_frontend_quarantined_requests", "Requests failed and refused after the workers "
+        self.quarantined = Counter(f"{p}_quarantined_requests", "Requests failed and refused after the workers "
                                    "serving them died twice", ["model"], registry=r)
         self.cancellations = Counter(f"{p}_cancellations", "Worker requests cancelled", ["model"],
                                      registry=r)
