@@ -185,19 +185,14 @@ class CompletionFlow:
                 mm=self._mm_spans))
             try:
                 last, call = await self._prefill_on(worker, att)
-            except BaseException as e:
-                request_trace.ended(att, e)
-                if not isinstance(e, MIGRATABLE):
-                    raise
+                break
+            except MIGRATABLE as e:
                 failed.add(worker.instance)
                 if len(failed) > spec.migration_limit:
                     if spec.allow_decode_only:
                         return None
                     raise
                 log.warning("prefill on %s failed (%s); trying another prefill worker", worker.instance, e)
-                continue
-            request_trace.ended(att, None)
-            break
         params = None
         if last is not None:
             if last.disaggregated_params is not None:
@@ -221,7 +216,7 @@ class CompletionFlow:
                               prompt=spec.prompt, prompt_embeds=spec.prompt_embeds, chat=spec.chat,
                               mm=spec.mm, sampling=sampling, lora_name=spec.lora)
         last: GenerateChunk | None = None
-        call = self.link.stream(worker, req, headers=tracing.headers(att))
+        call = request_trace.stream(att, self.link.stream(worker, req, headers=tracing.headers(att)))
         try:
             async for chunk in call:
                 last = chunk
@@ -268,47 +263,38 @@ class CompletionFlow:
                 request_id=req.request_id, session=spec.session))
             if suspect:
                 self.probation.hold(worker, spec.request_id)
-            n_before = len(produced)
-            done: BaseException | None = None  # what ended this attempt, when it failed
             try:
+                call = request_trace.stream(att, self.link.stream(worker, req, headers=tracing.headers(att)))
+                first = True
+                answered = False  # the worker took the request (a chunk, a heartbeat or an error came back)
                 try:
-                    call = self.link.stream(worker, req, headers=tracing.headers(att))
-                    first = True
-                    answered = False  # the worker took the request (a chunk, a heartbeat or an error came back)
-                    try:
-                        async for chunk in call:
-                            if not answered and suspect:  # the engine took it and ran its prompt
-                                self.probation.release(worker, spec.request_id)
-                            answered = True
-                            st.worker_instance = call.instance or worker.instance
-                            self._account(chunk, first_attempt=not produced and st.migrations == 0)
-                            produced.extend(chunk.token_ids)
-                            if chunk.token_ids:
-                                router.tokens(req.request_id, len(chunk.token_ids), first)  # type: ignore[arg-type]
-                                first = False
-                            if chunk.text:
-                                produced_text.append(chunk.text)
-                            yield chunk
-                            if chunk.finish_reason is not None:
-                                return
-                        # ended cleanly without a finish reason: the worker lost the request
-                        err = TransportError(f"stream from {worker.instance} ended without a finish reason")
-                    except MIGRATABLE as e:
-                        err = e
-                    finally:
-                        router.finished(req.request_id)  # type: ignore[arg-type]
-                        await call.aclose()
-                    answered = answered or call.instance is not None
-                    await self._judge(worker, err, answered)
-                    done = err
+                    async for chunk in call:
+                        if not answered and suspect:  # the engine took it and ran its prompt
+                            self.probation.release(worker, spec.request_id)
+                        answered = True
+                        st.worker_instance = call.instance or worker.instance
+                        self._account(chunk, first_attempt=not produced and st.migrations == 0)
+                        produced.extend(chunk.token_ids)
+                        if chunk.token_ids:
+                            router.tokens(req.request_id, len(chunk.token_ids), first)  # type: ignore[arg-type]
+                            first = False
+                        if chunk.text:
+                            produced_text.append(chunk.text)
+                        yield chunk
+                        if chunk.finish_reason is not None:
+                            return
+                    # ended cleanly without a finish reason: the worker lost the request
+                    err = TransportError(f"stream from {worker.instance} ended without a finish reason")
+                except MIGRATABLE as e:
+                    err = e
                 finally:
-                    if suspect:  # a no-op when its first chunk or its death released it
-                        self.probation.release(worker, spec.request_id)
-            except BaseException as e:
-                done = e
-                raise
+                    router.finished(req.request_id)  # type: ignore[arg-type]
+                    await call.aclose()
+                answered = answered or call.instance is not None
+                await self._judge(worker, err, answered)
             finally:
-                request_trace.ended(att, done, tokens=len(produced) - n_before)
+                if suspect:  # a no-op when its first chunk or its death released it
+                    self.probation.release(worker, spec.request_id)
             remaining = spec.sampling.max_tokens - len(produced)
             if st.migrations >= spec.migration_limit:
                 if not produced and st.migrations == 0 and isinstance(err, Overloaded):

@@ -17,14 +17,17 @@ pipeline and the flows call them unguarded.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from actors.worker.contract import GenerateChunk
 from bus import tracing
 
 from .discovery import Worker
+from .worker_link import WorkerStream
 
 if TYPE_CHECKING:
     from opentelemetry.trace import Span
@@ -100,9 +103,65 @@ def choose(attempt_span: Span | None, pool: list[Worker], excluded: int, router:
     return worker
 
 
-def ended(span: Span | None, error: BaseException | None, *, tokens: int | None = None) -> None:
-    """The attempt (or the plan) is over: ``error`` is why it failed, None when it did not;
-    ``tokens``: what the worker produced in it."""
-    if span is not None and tokens is not None:
-        span.set_attribute("vllm_actors.tokens", tokens)
+def stream(attempt_span: Span | None, call: WorkerStream) -> WorkerStream:
+    """``call`` as the attempt's stream: the attempt span ends with it (``TracedStream``); ``call``
+    itself when the request is not traced."""
+    return call if attempt_span is None else TracedStream(call, attempt_span)
+
+
+class TracedStream:
+    """A worker stream that ends its attempt's span when the flow closes it: failed with what its
+    iteration raised, or "ended without a finish reason" when it ran out without one; fine when
+    its last chunk finished the request; cancelled when it was closed before either (the client
+    went away). It counts the tokens the worker produced in the attempt."""
+
+    def __init__(self, call: WorkerStream, span: Span) -> None:
+        self._call, self._span = call, span
+        self._chunks = call.__aiter__()
+        self._error: BaseException | None = None
+        self._finished = self._exhausted = False
+        self._tokens = 0
+        self._open = True
+
+    @property
+    def instance(self) -> str | None:
+        return self._call.instance
+
+    def __aiter__(self) -> TracedStream:
+        return self
+
+    async def __anext__(self) -> GenerateChunk:
+        try:
+            chunk: GenerateChunk = await self._chunks.__anext__()
+        except StopAsyncIteration:
+            self._exhausted = True
+            raise
+        except BaseException as e:
+            self._error = e
+            raise
+        self._tokens += len(chunk.token_ids)
+        self._finished = self._finished or chunk.finish_reason is not None
+        return chunk
+
+    async def aclose(self) -> None:
+        try:
+            await self._call.aclose()
+        finally:
+            if self._open:
+                self._open = False
+                self._end()
+
+    def _end(self) -> None:
+        self._span.set_attribute("vllm_actors.tokens", self._tokens)
+        if self._error is not None or self._finished:
+            tracing.end(self._span, self._error)
+        elif self._exhausted:
+            tracing.fail(self._span, "the stream ended without a finish reason")
+            self._span.end()
+        else:
+            tracing.end(self._span, asyncio.CancelledError())
+
+
+def ended(span: Span | None, error: BaseException | None) -> None:
+    """The attempt (or the plan) is over: ``error`` is why it failed, None when it did not."""
     tracing.end(span, error)
