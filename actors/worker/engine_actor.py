@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
@@ -248,18 +249,14 @@ class EngineActor(Actor):
 
     async def _forget(self, stream_id: str | None, chunks: AsyncIterator[GenerateChunk],
                       span: Any = None) -> AsyncIterator[GenerateChunk]:
-        error: BaseException | None = None
         try:
             async for c in chunks:
                 yield c
-        except BaseException as e:
-            error = e
-            raise
         finally:
             if stream_id:
                 self.cancels.engine_ids.pop(stream_id, None)
             await chunks.aclose()  # type: ignore[attr-defined]
-            tracing.end(span, error)
+            tracing.end(span, sys.exc_info()[1])  # what leaves the stream, if anything
 
     async def encode(self, req: EncodeRequest, _h: Mapping[str, str]) -> EncodeReply:
         return await self.service.encode(req)

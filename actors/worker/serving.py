@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -277,7 +278,6 @@ class EngineService:
         checked_ctx = n_prompt is not None
         span = tracing.start("engine.generate", trace, attributes={"vllm_actors.engine_request_id": rid}) \
             if trace is not None else None
-        error: BaseException | None = None
         try:
             with self.metrics.track(GENERATE):
                 async for out in engine.generate(prompt, sampling, rid, lora, kv, tracing.headers(span)):
@@ -311,24 +311,18 @@ class EngineService:
                         return
         except EngineDeadError as e:
             finished = True  # nothing left to abort
-            error = EngineDead(f"engine dead: {e}")
-            raise error from None
-        except ActorError as e:
-            error = e
+            raise EngineDead(f"engine dead: {e}") from None
+        except ActorError:
             raise
         except Exception as e:
-            error = e
             if not is_request_error(e):
                 raise
             raise refusal(e, self.max_model_len, sampling.max_tokens) from None
-        except BaseException as e:  # closed early: the caller left, or a cancel
-            error = e
-            raise
         finally:
-            if span is not None:
+            if span is not None:  # ended by what leaves this generator, if anything (GeneratorExit: closed early)
                 span.set_attributes({"gen_ai.usage.input_tokens": prompt_tokens,
                                      "gen_ai.usage.output_tokens": completion, "vllm_actors.cached_tokens": cached})
-                tracing.end(span, error)
+                tracing.end(span, sys.exc_info()[1])
             self._active.pop(rid, None)
             self._touch(act)
             if not finished and not self.dead:
