@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 import time
 import uuid
@@ -38,6 +37,7 @@ from actors.worker.contract import (
 )
 from actors.worker.engine_errors import is_request_error, message_of, refusal
 from actors.worker.metrics import WorkerMetrics
+from actors.worker.token_counter import TokenCounter
 from actors.worker.validation import (
     build_prompt,
     check_context,
@@ -68,31 +68,6 @@ class _Active:
     # a health or readiness probe: not traffic, so it does not keep the worker from idling (the
     # health monitor probes an idle engine every interval; counting that, it never went idle)
     probe: bool = False
-
-
-class TokenCounter:
-    """Counts text-mode prompt tokens for the context guard, from the model's tokenizer.json.
-
-    Without a loadable tokenizer (e.g. the mocker) it returns None and the guard runs on the
-    engine's own prompt count instead (first output).
-    """
-
-    def __init__(self, tokenizer_path: str | None) -> None:
-        self._tok: Any = None
-        if tokenizer_path:
-            f = os.path.join(tokenizer_path, "tokenizer.json")
-            if os.path.isfile(f):
-                try:
-                    from tokenizers import Tokenizer
-
-                    self._tok = Tokenizer.from_file(f)
-                except Exception as e:  # noqa: BLE001 - an unreadable tokenizer only disables the pre-check
-                    log.warning("cannot load tokenizer %s: %s", f, e)
-
-    def count(self, text: str) -> int | None:
-        if self._tok is None:
-            return None
-        return len(self._tok.encode(text).ids)
 
 
 class EngineService:
