@@ -118,7 +118,7 @@ class CompletionPipeline:
                     plan = plan_request(req, entry, lora, name, pre, body, parsers)
             finally:
                 series.queued.dec()
-            request_trace.ended(plan_span, None)
+            tracing.end(plan_span)
             plan_span = None
             choices = self._choices(plan, target=request.headers.get(WORKER_HEADER),
                                     session=request.headers.get(SESSION_HEADER),
@@ -160,7 +160,7 @@ class CompletionPipeline:
         finally:
             m.request_done(endpoint, series.name if series is not None else "unknown", status)
             if span is not None:
-                request_trace.ended(plan_span, None)  # a request refused while being planned
+                tracing.end(plan_span)  # a request refused while being planned
                 request_trace.http_done(span, status, series.name if series is not None else None)
 
     async def _hold(self, model: str | None, early: _EarlyStream | None) -> bool:

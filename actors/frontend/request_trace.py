@@ -87,7 +87,7 @@ def choose(attempt_span: Span | None, pool: list[Worker], excluded: int, router:
     except BaseException as e:
         tracing.fail(span, e)
         span.end()
-        ended(attempt_span, e)
+        tracing.end(attempt_span, e)
         raise
     attrs: dict[str, Any] = {"vllm_actors.worker_id": worker.instance, "vllm_actors.pool": worker.pool,
                              "vllm_actors.router": router.name}
@@ -160,8 +160,3 @@ class TracedStream:
             self._span.end()
         else:
             tracing.end(self._span, asyncio.CancelledError())
-
-
-def ended(span: Span | None, error: BaseException | None) -> None:
-    """The attempt (or the plan) is over: ``error`` is why it failed, None when it did not."""
-    tracing.end(span, error)
