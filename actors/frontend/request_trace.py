@@ -85,8 +85,7 @@ def choose(attempt_span: Span | None, pool: list[Worker], excluded: int, router:
     try:
         worker = pick()
     except BaseException as e:
-        tracing.fail(span, e)
-        span.end()
+        tracing.end(span, e)
         tracing.end(attempt_span, e)
         raise
     attrs: dict[str, Any] = {"vllm_actors.worker_id": worker.instance, "vllm_actors.pool": worker.pool,
