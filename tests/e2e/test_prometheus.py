@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 from typing import Any
 
@@ -22,7 +23,7 @@ import nats
 import openai
 import pytest
 
-from tests.e2e.conftest import PY, ROOT, Deployment, free_port, http_json, shutdown
+from tests.e2e.conftest import PY, ROOT, Deployment, free_port, http_json, http_text, shutdown
 from tests.helpers import openai_client
 
 PROMETHEUS = shutil.which("prometheus")
@@ -114,6 +115,16 @@ async def test_every_dashboard_query_returns_data(tmp_path_factory: pytest.TempP
             prom = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
                                      f"--web.listen-address=127.0.0.1:{port}"],
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def prometheus_ready() -> bool:
+            # Prometheus answers its API with 503 until its TSDB is open (seconds on a loaded box);
+            # /-/ready turns 200 at that moment
+            try:
+                return http_text(f"{base}/-/ready", timeout=2).startswith("Prometheus")
+            except urllib.error.HTTPError:
+                return False
+
+        d.wait_until(prometheus_ready, 60, f"Prometheus ready (its log: {tmp / 'prometheus.log'})")
 
         def targets_up() -> bool:
             active = api(base, "targets")["activeTargets"]
