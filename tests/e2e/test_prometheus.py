@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import time
-import urllib.error
 import urllib.parse
 from typing import Any
 
@@ -117,12 +116,9 @@ async def test_every_dashboard_query_returns_data(tmp_path_factory: pytest.TempP
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
         def prometheus_ready() -> bool:
-            # Prometheus answers its API with 503 until its TSDB is open (seconds on a loaded box);
-            # /-/ready turns 200 at that moment
-            try:
-                return http_text(f"{base}/-/ready", timeout=2).startswith("Prometheus")
-            except urllib.error.HTTPError:
-                return False
+            # Prometheus answers its API with 503 until its TSDB is open (longer on a loaded box);
+            # /-/ready turns 200 at that moment. Its 503 raises HTTPError, an OSError: wait_until polls again
+            return http_text(f"{base}/-/ready", timeout=2).startswith("Prometheus")
 
         d.wait_until(prometheus_ready, 60, f"Prometheus ready (its log: {tmp / 'prometheus.log'})")
 
