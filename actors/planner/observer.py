@@ -1,17 +1,28 @@
 """What the planner has seen since its last decision (logic only, no NATS).
 
 Inputs arrive from the bus as they are published: every frontend's ``FrontendWindow`` and every
-worker's ``LoadReport``. ``take_interval`` sums the windows that ended since the previous call into
-one ``Observed`` (rates per second of the real elapsed time, means over finished requests, latency
-from the merged histograms). Held requests (a cold model's) are a level, not a count: the interval
-has the sum of each frontend's latest window, not of every window. Load reports keep the latest per (instance, rank), and their step
-samples go to the pool's step regression (load mode).
+worker's ``LoadReport``. ``take_interval`` sums the windows that arrived since the previous call into
+one ``Observed`` (means over finished requests, latency from the merged histograms).
+
+The request rate is each frontend's requests over the time its own windows cover, summed over the
+frontends. Dividing by the planner's interval instead read twice the rate whenever two windows of
+a frontend landed in one interval: the frontends' windows and the planner's decisions run on
+clocks of the same period but not the same phase, and a late publish or a slow decision moves a
+window across the boundary. A frontend with no window in an interval (one published late, or
+lost) counts at the rate of its latest window while that window is fresh (it arrived less than
+two of its lengths ago); the interval would otherwise miss that frontend's share of the demand,
+and the predictors would be fed a drop that never happened.
+
+Held requests (a cold model's) are a level, not a count: the interval has the sum of each
+frontend's latest window, not of every window. Load reports keep the latest per (instance,
+rank), and their step samples go to the pool's step regression (load mode).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from actors.engines.protocol import StepSample
 from actors.planner.contract import FrontendWindow, Observed
@@ -23,12 +34,39 @@ REPORT_STALE_S = 10.0
 STEP_WINDOW = 8192
 
 
-def observed(t: FrontendWindow, seconds: float, windows: int, held: int = 0) -> Observed:
-    """What the ``windows`` summed in ``t`` say about an interval of ``seconds``; ``held``: the
-    requests the frontends hold at its end."""
+@dataclass
+class FrontendRate:
+    """One frontend's requests and the seconds its windows covered since the last interval, and
+    its latest window (what an interval without a window of it counts)."""
+
+    requests: int = 0
+    seconds: float = 0.0
+    rate: float = 0.0  # requests per second of its windows of the last interval that had any
+    # when its latest window arrived (the planner's clock: a frontend host's clock may be off) and
+    # how long that window was
+    arrived: float = 0.0
+    span: float = 0.0
+
+    def add(self, w: FrontendWindow, now: float) -> None:
+        self.requests += w.requests
+        self.seconds += max(0.0, w.end - w.start)
+        self.arrived, self.span = now, max(0.0, w.end - w.start)
+
+    def take(self, now: float) -> float | None:
+        """Its rate over the interval; None: no fresh window, it no longer counts."""
+        if self.seconds > 0:
+            self.rate = self.requests / self.seconds
+        elif now - self.arrived >= 2 * self.span:
+            return None
+        self.requests, self.seconds = 0, 0.0
+        return self.rate
+
+
+def observed(t: FrontendWindow, request_rate: float, windows: int, held: int = 0) -> Observed:
+    """What the ``windows`` summed in ``t`` say about an interval in which the frontends saw
+    ``request_rate`` requests per second; ``held``: the requests they hold at its end."""
     return Observed(
-        windows=windows, held=held,
-        request_rate=t.requests / seconds if seconds > 0 else 0.0,
+        windows=windows, held=held, request_rate=request_rate,
         isl=t.isl_tokens / t.finished if t.finished else None,
         osl=t.osl_tokens / t.finished if t.finished else None,
         kv_hit_rate=t.cached_tokens / t.isl_tokens if t.isl_tokens else None,
@@ -45,10 +83,10 @@ class Observer:
         """``steps``: keep the load reports' step samples (only load mode fits on them)."""
         self.model = model  # windows of other models are not this deployment's demand
         self.keep_steps = steps
-        self._since = time.time()
-        self._totals = _totals(self._since)
+        self._totals = _totals(time.time())
         self._windows = 0
         self._held: dict[str, tuple[float, int]] = {}  # frontend -> (end, held) of its latest window
+        self._rates: dict[str, FrontendRate] = {}  # frontend -> its requests and the time they cover
         self._reports: dict[tuple[str, int], tuple[float, LoadReport]] = {}
         self.steps: dict[str, deque[StepSample]] = {}  # pool -> step samples not yet fitted
         self._busy_ms: dict[str, float] = {}  # instance -> step time since the last take_busy
@@ -56,10 +94,11 @@ class Observer:
         self.windows_seen = 0
 
     # --- inputs ----------------------------------------------------------------------------------
-    def add_window(self, w: FrontendWindow) -> None:
+    def add_window(self, w: FrontendWindow, now: float | None = None) -> None:
         if self.model is not None and w.model is not None and w.model != self.model:
             return
         self._totals.add(w)
+        self._rates.setdefault(w.instance, FrontendRate()).add(w, now if now is not None else time.time())
         last = self._held.get(w.instance)
         if last is None or w.end >= last[0]:
             self._held[w.instance] = (w.end, w.held)
@@ -82,8 +121,12 @@ class Observer:
     # --- outputs ---------------------------------------------------------------------------------
     def take_interval(self, now: float | None = None) -> Observed:
         now = now if now is not None else time.time()
-        obs = observed(self._totals, now - self._since, self._windows, sum(h for _, h in self._held.values()))
-        self._totals, self._since, self._windows = _totals(now), now, 0
+        rates = {f: r.take(now) for f, r in self._rates.items()}
+        for f in [f for f, rate in rates.items() if rate is None]:
+            del self._rates[f]
+        obs = observed(self._totals, sum(rate for rate in rates.values() if rate is not None), self._windows,
+                       sum(h for _, h in self._held.values()))
+        self._totals, self._windows = _totals(now), 0
         self._held = {}
         return obs
 

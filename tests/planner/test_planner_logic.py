@@ -144,12 +144,53 @@ def test_observer_sums_windows_into_an_interval() -> None:
         for ms in (90.0, 110.0):
             w.ttft.observe(ms)
         w.itl.observe(20.0)
-        obs.add_window(w)
-    obs.add_window(FrontendWindow(instance="x", model="other", start=100, end=101, requests=99))
+        obs.add_window(w, now=w.end)
+    obs.add_window(FrontendWindow(instance="x", model="other", start=100, end=101, requests=99), now=101.0)
     o = obs.take_interval(now=110.0)
-    assert o.windows == 4 and o.request_rate == 2.0 and o.isl == 1000.0 and o.osl == 100.0 and o.kv_hit_rate == 0.25
-    assert o.ttft_ms == 100.0 and o.itl_ms == 20.0
+    # each frontend's rate over the seconds its windows cover (10 requests in 2 s), summed
+    assert o.windows == 4 and o.request_rate == 10.0 and o.isl == 1000.0 and o.osl == 100.0
+    assert o.kv_hit_rate == 0.25 and o.ttft_ms == 100.0 and o.itl_ms == 20.0
+    # their latest windows arrived 6 and 7 s ago, more than two of their 1 s lengths: gone quiet
     assert obs.take_interval(now=111.0).request_rate == 0.0
+
+
+def test_observer_rate_does_not_depend_on_how_windows_fall_into_intervals() -> None:
+    """A frontend's 2 s windows and the planner's 2 s intervals run out of phase: a late window
+    makes one interval get none and the next two. Each interval reads the rate the frontend saw
+    (16 requests per 2 s window: 8 req/s), not 0 and then 16."""
+    obs = Observer()
+    obs.take_interval(now=0.5)
+    events: list[tuple[float, float | None]] = [(end + 0.01, end) for end in (2.0, 4.0, 6.0, 10.0, 12.0)]
+    events += [(8.6, 8.0)]  # the window that ends at 8 arrives after the interval that ends at 8.5
+    events += [(t + 0.5, None) for t in (2.0, 4.0, 6.0, 8.0, 10.0, 12.0)]  # the planner's decisions
+    got = []
+    for at, end in sorted(events):
+        if end is None:
+            got.append(obs.take_interval(now=at))
+        else:
+            obs.add_window(FrontendWindow(instance="fe", start=end - 2.0, end=end, requests=16), now=at)
+    assert [o.windows for o in got] == [1, 1, 1, 0, 2, 1]
+    assert [o.request_rate for o in got] == [8.0] * 6
+
+
+def test_observer_counts_a_frontend_without_a_window_in_the_interval_until_it_goes_quiet() -> None:
+    """Two frontends at 8 req/s each: an interval without fe1's window (late) still has its share
+    of the demand, from fe1's latest window. A frontend that stopped publishing counts no more
+    once its latest window arrived two window lengths ago."""
+    obs = Observer()
+    obs.take_interval(now=0.0)
+    for fe in ("fe0", "fe1"):
+        obs.add_window(FrontendWindow(instance=fe, start=0.0, end=2.0, requests=16), now=2.0)
+    assert obs.take_interval(now=2.5).request_rate == 16.0
+    obs.add_window(FrontendWindow(instance="fe0", start=2.0, end=4.0, requests=16), now=4.0)
+    assert obs.take_interval(now=4.5).request_rate == 16.0  # fe1 at its latest window's rate
+    obs.add_window(FrontendWindow(instance="fe0", start=4.0, end=6.0, requests=16), now=6.0)
+    assert obs.take_interval(now=6.5).request_rate == 8.0  # fe1's latest window arrived 4.5 s ago
+    # a window of no length (anyone can publish on the subject) says nothing about a rate
+    obs.add_window(FrontendWindow(instance="bad", start=7.0, end=7.0, requests=1000), now=7.0)
+    obs.add_window(FrontendWindow(instance="fe0", start=6.0, end=8.0, requests=16), now=8.0)
+    assert obs.take_interval(now=8.5).request_rate == 8.0
+
 
 
 def test_observer_keeps_fresh_reports_and_hands_steps_over_once() -> None:
