@@ -10,7 +10,7 @@ a frontend landed in one interval: the frontends' windows and the planner's deci
 clocks of the same period but not the same phase, and a late publish or a slow decision moves a
 window across the boundary. A frontend with no window in an interval (one published late, or
 lost) counts at the rate of its latest window while that window is fresh (it arrived less than
-two of its lengths ago); the interval would otherwise miss that frontend's share of the demand,
+two of its lengths ago, and less than ``REPORT_STALE_S``); the interval would otherwise miss that frontend's share of the demand,
 and the predictors would be fed a drop that never happened.
 
 Held requests (a cold model's) are a level, not a count: the interval has the sum of each
@@ -28,7 +28,8 @@ from actors.engines.protocol import StepSample
 from actors.planner.contract import FrontendWindow, Observed
 from actors.worker.contract import LoadReport
 
-# a load report older than this is a worker that stopped reporting (gone, or its bus is)
+# a load report older than this is a worker that stopped reporting (gone, or its bus is); a
+# frontend's window older than this no longer counts either, however long the window said it was
 REPORT_STALE_S = 10.0
 # step samples kept per pool between two decisions (the regression keeps its own window)
 STEP_WINDOW = 8192
@@ -56,7 +57,7 @@ class FrontendRate:
         """Its rate over the interval; None: no fresh window, it no longer counts."""
         if self.seconds > 0:
             self.rate = self.requests / self.seconds
-        elif now - self.arrived >= 2 * self.span:
+        elif now - self.arrived >= min(2 * self.span, REPORT_STALE_S):
             return None
         self.requests, self.seconds = 0, 0.0
         return self.rate

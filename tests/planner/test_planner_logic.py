@@ -11,7 +11,7 @@ import msgspec
 from actors.engines.protocol import StepSample
 from actors.planner.constraints import PoolLimits
 from actors.planner.contract import Action, FrontendWindow, Observed, PrefillPoint, Profile
-from actors.planner.observer import Observer
+from actors.planner.observer import REPORT_STALE_S, Observer
 from actors.planner.planner import Planner, PoolState, PoolView, replica_of
 from actors.worker.contract import LoadReport
 from config.topology import PlannerConfig
@@ -190,6 +190,11 @@ def test_observer_counts_a_frontend_without_a_window_in_the_interval_until_it_go
     obs.add_window(FrontendWindow(instance="bad", start=7.0, end=7.0, requests=1000), now=7.0)
     obs.add_window(FrontendWindow(instance="fe0", start=6.0, end=8.0, requests=16), now=8.0)
     assert obs.take_interval(now=8.5).request_rate == 8.0
+    # a window that claims to cover hours counts for REPORT_STALE_S at most
+    obs.add_window(FrontendWindow(instance="long", start=8.0 - 7200.0, end=8.0, requests=7200 * 100), now=8.6)
+    assert obs.take_interval(now=9.0).request_rate == 108.0  # and fe0 at its latest window's 8
+    assert obs.take_interval(now=8.5 + REPORT_STALE_S).request_rate == 100.0  # fe0 went quiet
+    assert obs.take_interval(now=8.6 + REPORT_STALE_S).request_rate == 0.0
 
 
 
