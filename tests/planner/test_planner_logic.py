@@ -150,7 +150,7 @@ def test_observer_sums_windows_into_an_interval() -> None:
     # each frontend's rate over the seconds its windows cover (10 requests in 2 s), summed
     assert o.windows == 4 and o.request_rate == 10.0 and o.isl == 1000.0 and o.osl == 100.0
     assert o.kv_hit_rate == 0.25 and o.ttft_ms == 100.0 and o.itl_ms == 20.0
-    # their latest windows arrived 6 and 7 s ago, more than two of their 1 s lengths: gone quiet
+    # their latest windows arrived 8 and 7 s ago, more than two of their 1 s lengths: gone quiet
     assert obs.take_interval(now=111.0).request_rate == 0.0
 
 
@@ -195,7 +195,6 @@ def test_observer_counts_a_frontend_without_a_window_in_the_interval_until_it_go
     assert obs.take_interval(now=9.0).request_rate == 108.0  # and fe0 at its latest window's 8
     assert obs.take_interval(now=8.5 + REPORT_STALE_S).request_rate == 100.0  # fe0 went quiet
     assert obs.take_interval(now=8.6 + REPORT_STALE_S).request_rate == 0.0
-
 
 
 def test_observer_keeps_fresh_reports_and_hands_steps_over_once() -> None:
