@@ -124,6 +124,8 @@ class StreamCall:
                             raise ResponderGone(f"stream on {self.subject}: responder gone after seq "
                                                 f"{self.received}")
                         continue
+                    if await _unread_arrived(nc, box, min(stall, 1.0)):
+                        continue  # this process stood still, not the responder: read on
                     raise StreamStalled(f"stream on {self.subject} stalled: nothing for {stall:g}s "
                                         f"after seq {self.received}")
                 last = loop.time()
@@ -330,6 +332,26 @@ def _inbox_mux(nc: Client) -> _InboxMux:
     if m is None or (m.started.done() and not m.ready):  # none yet, or its subscribe failed
         m = _inbox_muxes[nc] = _InboxMux(nc)
     return m
+
+
+async def _unread_arrived(nc: Client, box: _CallInbox, timeout: float) -> bool:
+    """Whether messages for this call had reached this process unread when its wait ran out.
+
+    Silence is judged by a timer of this process's event loop. When the process stood still (a
+    blocking call, a starved CPU, a GC pause) for longer than the stall timeout, the overdue timer
+    fires in the same loop turn that finds the socket readable, before the connection's reader task
+    has run: what the responder sent meanwhile is unread, and the stream would be called stalled.
+    So before a stall is declared, a PING: the server answers it after everything it sent before,
+    and the reader hands those messages to the mux's subscription task before the PONG resolves the
+    flush. A real stall costs one round trip more."""
+    try:
+        await honouring_cancel(nc.flush(timeout=timeout))
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - cut off from the server: nothing more can arrive now
+        return bool(box.msgs)
+    await asyncio.sleep(0)  # the subscription task, woken before the PONG, puts them in the box
+    return bool(box.msgs)
 
 
 async def _responder_alive(nc: Client, subject: str, timeout: float) -> bool:

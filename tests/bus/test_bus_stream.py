@@ -268,6 +268,39 @@ async def test_hung_responder_gets_the_full_stall_timeout(bus: BusContext, nats_
         proc.wait()
 
 
+async def test_a_caller_that_stood_still_reads_what_arrived_before_it_judges_a_stall(  # type: ignore[no-untyped-def]
+        bus: BusContext, nats_server) -> None:
+    """The caller's process stands still for longer than the stall timeout (a blocking call here; a
+    starved CPU or a GC pause in production) while the responder keeps streaming. When it runs again
+    the wait's timer is overdue and the chunks sent meanwhile are still unread in its socket: they
+    are read before silence is judged, so the stream goes on, in order, with no StreamStalled."""
+    subj = bus.subjects.echo("steady")
+    proc = await _victim(nats_server.url, subj)
+    stall = 1.0
+
+    async def stand_still() -> None:
+        await asyncio.sleep(0.01)  # the consumer is now waiting for its next chunk, its timer armed
+        time.sleep(stall * 1.5)
+
+    try:
+        call = stream_request(bus.nc, subj, {}, stall_timeout=stall)
+        got: list[int] = []
+        blocker: asyncio.Future[None] | None = None
+        async for chunk in call:
+            got.append(chunk["i"])
+            if len(got) == 3:
+                blocker = asyncio.ensure_future(stand_still())
+            if len(got) == 10:
+                break
+        await call.aclose()
+        assert blocker is not None
+        await blocker
+        assert got == list(range(10))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 async def test_calls_share_one_inbox_subscription(bus: BusContext, responder: Responder) -> None:
     """A stream call is a single PUB: every call on a connection uses one wildcard inbox
     subscription, so the connection's subscription count does not grow with calls."""
